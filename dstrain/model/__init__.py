@@ -1,0 +1,21 @@
+"""DeepSeek-V3/V2 model: plain single-device PyTorch (no torch.distributed here; see dstrain.parallel)."""
+
+from .config import PRESETS, ModelConfig, get_config
+from .flops import flops_per_token, param_counts
+from .loading import build_model, from_pretrained, parse_dtype, save_pretrained
+from .model import DeepSeekLM, ModelOutput, target_mask
+
+__all__ = [
+    "PRESETS",
+    "DeepSeekLM",
+    "ModelConfig",
+    "ModelOutput",
+    "build_model",
+    "flops_per_token",
+    "from_pretrained",
+    "get_config",
+    "param_counts",
+    "parse_dtype",
+    "save_pretrained",
+    "target_mask",
+]

@@ -1,0 +1,417 @@
+"""Model configuration: one dataclass with Hugging Face field names, presets, and HF config.json I/O."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Vocabulary size of the DeepSeek-V3 tokenizer as the published configs declare it (128K BPE + specials,
+# padded); the `tiny` preset uses it so the real tokenizer's ids always fit.
+DEEPSEEK_V3_VOCAB = 129280
+
+# Fields that training adds on top of the architecture. They are not part of an HF config.json.
+TRAINING_FIELDS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a DeepSeek-V2/V3 model. Field names follow Hugging Face `config.json`."""
+
+    model_type: str = "deepseek_v3"
+    """`deepseek_v3` (sigmoid routing with expert bias, MTP) or `deepseek_v2` (softmax routing)."""
+    vocab_size: int = DEEPSEEK_V3_VOCAB
+    """Rows of the embedding and of the output head."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    intermediate_size: int = 128
+    """Hidden width of the dense SwiGLU FFN used in the first `first_k_dense_replace` layers."""
+    moe_intermediate_size: int = 32
+    """Hidden width of one routed (and one shared) expert."""
+    num_hidden_layers: int = 2
+    """Transformer blocks of the main model (MTP blocks come on top)."""
+    num_attention_heads: int = 4
+    """Attention heads of MLA."""
+    q_lora_rank: int | None = 32
+    """Rank of the query compression; None projects queries directly (V2-Lite)."""
+    kv_lora_rank: int = 32
+    """Rank of the joint key/value compression (the cached latent)."""
+    qk_nope_head_dim: int = 16
+    """Per-head query/key dimension without rotary embedding."""
+    qk_rope_head_dim: int = 8
+    """Per-head query dimension with rotary embedding; the rotary key is one head shared by all heads."""
+    v_head_dim: int = 16
+    """Per-head value dimension."""
+    n_routed_experts: int | None = 8
+    """Fine-grained routed experts per MoE layer; None or 0 makes every layer dense."""
+    n_shared_experts: int = 1
+    """Shared experts per MoE layer (one SwiGLU of width n_shared_experts * moe_intermediate_size)."""
+    num_experts_per_tok: int = 2
+    """Routed experts each token is sent to (top-k)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (1 = no grouping)."""
+    topk_group: int = 1
+    """Groups a token may route into."""
+    topk_method: str = "noaux_tc"
+    """`noaux_tc` (V3: sigmoid, bias for selection, groups by top-2 sum), `greedy` or
+    `group_limited_greedy` (V2: softmax, groups by max)."""
+    scoring_func: str = "sigmoid"
+    """`sigmoid` (V3) or `softmax` (V2)."""
+    norm_topk_prob: bool = True
+    """Renormalise the selected experts' weights to sum to 1 (before `routed_scaling_factor`)."""
+    routed_scaling_factor: float = 2.5
+    """Multiplier on the routed experts' output weights."""
+    first_k_dense_replace: int = 1
+    """The first k layers use the dense FFN instead of MoE."""
+    hidden_act: str = "silu"
+    """Activation of the SwiGLU FFNs (only silu is supported)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the rotary embedding is configured for."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    rope_scaling: dict[str, Any] | None = None
+    """None, or YaRN parameters as in HF configs: {"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}."""
+    rope_interleave: bool = True
+    """Rotary pairs are adjacent dims (DeepSeek's published weights) rather than the two halves."""
+    attention_bias: bool = False
+    """Bias on q_a/kv_a/o projections."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
+    num_nextn_predict_layers: int = 1
+    """Multi-token-prediction depth D (0 = no MTP)."""
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+    bos_token_id: int | None = 0
+    """Beginning-of-sequence token id (written to config.json)."""
+    eos_token_id: int | None = 1
+    """End-of-sequence token id (written to config.json)."""
+    pad_token_id: int | None = None
+    """Padding token id (written to config.json)."""
+    aux_loss_alpha: float = 1e-4
+    """α of the sequence-wise balance loss (DeepSeek-V3 eq. 17); 0 disables it. Training only."""
+    bias_update_speed: float = 1e-3
+    """γ of aux-loss-free balancing: bias += γ·sign(mean_load − load) after each step; 0 disables. Training only."""
+    mtp_loss_weight: float = 0.3
+    """λ: weight of the mean MTP loss over depths. Training only."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """HF config.json keys dstrain does not interpret, written back unchanged on save."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ("deepseek_v3", "deepseek_v2"):
+            raise ValueError(f"model_type={self.model_type!r}: expected 'deepseek_v3' or 'deepseek_v2'")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank} must be positive or null")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
+        if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method={self.topk_method!r}: expected noaux_tc, greedy or group_limited_greedy")
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func={self.scoring_func!r}: expected 'sigmoid' or 'softmax'")
+        if self.is_moe:
+            e = self.n_routed_experts
+            if not 0 < self.num_experts_per_tok <= e:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={e}")
+            if self.n_group < 1 or e % self.n_group:
+                raise ValueError(f"n_routed_experts={e} must be divisible by n_group={self.n_group}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+            per_group = e // self.n_group
+            if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
+                raise ValueError(f"noaux_tc group scores sum the top 2 experts: n_routed_experts/n_group={per_group} < 2")
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group={self.topk_group} groups"
+                )
+            if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
+                raise ValueError("topk_method='noaux_tc' requires scoring_func='sigmoid'")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in 0..num_hidden_layers")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
+        for name in TRAINING_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("yarn", "default", None):
+                raise ValueError(f"rope_scaling type {kind!r}: only 'yarn' is supported")
+            if kind == "yarn" and "factor" not in self.rope_scaling:
+                raise ValueError("rope_scaling: yarn needs 'factor'")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.n_routed_experts)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        """V3 routing carries `e_score_correction_bias` (aux-loss-free balancing); V2 routing has none."""
+        return self.is_moe and self.topk_method == "noaux_tc"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """MTP blocks (layer_idx >= num_hidden_layers) follow the same rule: they are MoE in DeepSeek-V3."""
+        return self.is_moe and layer_idx >= self.first_k_dense_replace
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------- HF config.json
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = copy.deepcopy(d)
+        model_type = d.get("model_type")
+        if model_type not in ("deepseek_v3", "deepseek_v2"):
+            raise ValueError(f"config.json model_type={model_type!r}: dstrain loads deepseek_v3 or deepseek_v2")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", *TRAINING_FIELDS}
+        kwargs: dict[str, Any] = {}
+        # transformers 5 writes `rope_parameters` (theta inside); older/official configs write rope_theta + rope_scaling.
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        rope = dict(rope)
+        theta = rope.pop("rope_theta", None) or d.pop("rope_theta", None) or 10000.0
+        kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        kwargs["rope_theta"] = float(theta)
+        kwargs["rope_scaling"] = {"rope_type": kind, **rope} if kind != "default" else None
+        d.pop("rope_theta", None)
+        d.pop("rope_scaling", None)
+        if model_type == "deepseek_v2":
+            kwargs["num_nextn_predict_layers"] = 0
+            kwargs["rope_interleave"] = True  # V2 applies rotary to adjacent pairs (complex multiply)
+            kwargs["topk_method"] = d.pop("topk_method", None) or "greedy"
+            kwargs["scoring_func"] = "softmax"
+            kwargs["norm_topk_prob"] = bool(d.pop("norm_topk_prob", False))
+            kwargs["routed_scaling_factor"] = float(d.pop("routed_scaling_factor", 1.0))
+            kwargs["first_k_dense_replace"] = d.pop("first_k_dense_replace", 0)
+            kwargs["n_group"] = d.pop("n_group", None) or 1
+            kwargs["topk_group"] = d.pop("topk_group", None) or 1
+            kwargs["n_shared_experts"] = d.pop("n_shared_experts", None) or 0
+        else:
+            kwargs["topk_method"] = "noaux_tc"
+            kwargs["scoring_func"] = "sigmoid"
+            mtp = d.pop("num_nextn_predict_layers", None)
+            mtp_hf = d.pop("num_mtp_layers", None)  # transformers' attribute name for the same thing
+            kwargs["num_nextn_predict_layers"] = int(mtp if mtp is not None else (mtp_hf or 0))
+            d.pop("scoring_func", None)
+        for flag_key in ("moe_layer_freq",):
+            if d.get(flag_key, 1) != 1:
+                raise ValueError(f"config.json {flag_key}={d[flag_key]}: only 1 (every layer past the dense ones) is supported")
+        extra: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in names and key not in kwargs:
+                kwargs[key] = value
+            elif key not in kwargs:
+                extra[key] = value
+        if kwargs.get("n_routed_experts") is None:
+            kwargs["n_routed_experts"] = None
+        for key in ("num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts"):
+            if kwargs.get(key) is None:
+                kwargs.pop(key, None)
+        if isinstance(kwargs.get("eos_token_id"), list):
+            extra["eos_token_id"] = kwargs.pop("eos_token_id")
+        kwargs["extra"] = extra
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json that transformers' DeepseekV3/V2 configs load (and the official layout understands)."""
+        d: dict[str, Any] = {
+            "architectures": ["DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"]
+        }
+        skip = {"extra", "rope_theta", "rope_scaling", *TRAINING_FIELDS}
+        for f in dataclasses.fields(self):
+            if f.name not in skip:
+                d[f.name] = getattr(self, f.name)
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update(self.rope_scaling)
+        d["rope_parameters"] = rope
+        d["num_key_value_heads"] = self.num_attention_heads
+        if self.model_type == "deepseek_v2":
+            for key in ("num_nextn_predict_layers", "rope_interleave", "scoring_func"):
+                d.pop(key)
+        else:
+            d.pop("topk_method")
+            d["num_mtp_layers"] = self.num_nextn_predict_layers
+        d.update({k: v for k, v in self.extra.items() if k not in d})
+        return d
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike) -> ModelConfig:
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
+        with open(cfg_file) as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def _deepseek_v3(**kw: Any) -> ModelConfig:
+    base = dict(
+        model_type="deepseek_v3",
+        vocab_size=DEEPSEEK_V3_VOCAB,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=3,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        num_nextn_predict_layers=1,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _deepseek_v2(**kw: Any) -> ModelConfig:
+    base = dict(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=5120,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=60,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=160,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=8,
+        topk_group=3,
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+        first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        num_nextn_predict_layers=0,
+        bos_token_id=100000,
+        eos_token_id=100001,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Trains on a CPU in seconds; the real DeepSeek-V3 vocabulary so the shipped tokenizer works unchanged.
+    "tiny": ModelConfig(
+        vocab_size=DEEPSEEK_V3_VOCAB,
+        hidden_size=64,
+        intermediate_size=192,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+    ),
+    # ~100M parameters in all (about a third active per token).
+    "small": ModelConfig(
+        vocab_size=DEEPSEEK_V3_VOCAB,
+        hidden_size=384,
+        intermediate_size=1024,
+        moe_intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+    ),
+    "deepseek-v2-lite": _deepseek_v2(
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        q_lora_rank=None,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
+    ),
+    "deepseek-v2": _deepseek_v2(),
+    "deepseek-v3": _deepseek_v3(),
+}
+
+
+def get_config(spec: str | os.PathLike | ModelConfig) -> ModelConfig:
+    """A preset name, a Hugging Face checkpoint folder (its config.json), or a ModelConfig (returned as is)."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    spec = str(spec)
+    if spec in PRESETS:
+        return copy.deepcopy(PRESETS[spec])
+    if os.path.isdir(spec):
+        return ModelConfig.from_folder(spec)
+    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")

@@ -1,0 +1,62 @@
+"""Parameter and FLOP counts from a config alone (the published shapes are never instantiated)."""
+
+from __future__ import annotations
+
+import os
+
+from .config import ModelConfig, get_config
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.q_lora_rank is None:
+        q = d * h * cfg.qk_head_dim
+    else:
+        q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + h * cfg.v_head_dim * d
+
+
+def _block_params(cfg: ModelConfig, layer_idx: int) -> tuple[int, int]:
+    """(total, active per token) parameters of one block."""
+    d = cfg.hidden_size
+    common = _attention_params(cfg) + 2 * d
+    if not cfg.is_moe_layer(layer_idx):
+        ffn = 3 * d * cfg.intermediate_size
+        return common + ffn, common + ffn
+    expert = 3 * d * cfg.moe_intermediate_size
+    shared = cfg.n_shared_experts * expert
+    router = cfg.n_routed_experts * d
+    total = common + shared + router + cfg.n_routed_experts * expert
+    active = common + shared + router + cfg.num_experts_per_tok * expert
+    return total, active
+
+
+def param_counts(config: str | os.PathLike | ModelConfig, include_mtp: bool = True) -> dict[str, int]:
+    """Total and per-token active parameter counts; `embedding` (a lookup, no FLOPs) is listed apart."""
+    cfg = get_config(config)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    total = active = d  # final norm
+    for i in range(cfg.num_hidden_layers):
+        t, a = _block_params(cfg, i)
+        total, active = total + t, active + a
+    head = 0 if cfg.tie_word_embeddings else v * d
+    total, active = total + head, active + v * d  # the head's matmul runs even when tied
+    if include_mtp:
+        for k in range(cfg.num_nextn_predict_layers):
+            t, a = _block_params(cfg, cfg.num_hidden_layers + k)
+            extra = 3 * d + 2 * d * d
+            total, active = total + t + extra, active + a + extra + v * d
+    return {"total": total + v * d, "active": active, "embedding": v * d}
+
+
+def flops_per_token(config: str | os.PathLike | ModelConfig, seq_len: int, include_mtp: bool = False) -> float:
+    """Training FLOPs per token: 6 x active matmul parameters (embedding lookup excluded) plus causal
+    attention, 6 x (T/2) x heads x (qk_head_dim + v_head_dim) per layer. MTP depth is excluded unless asked,
+    like DeepSeek's published 250 GFLOPs/token for V3 at 4K."""
+    cfg = get_config(config)
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)
+    active = param_counts(cfg, include_mtp=include_mtp)["active"]
+    attn = 6 * (seq_len / 2) * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * layers
+    return 6 * active + attn

@@ -1,0 +1,245 @@
+"""Hugging Face checkpoint format: the key table, and streaming load/save of safetensors folders.
+
+On disk we use the official DeepSeek layout (what transformers' `save_pretrained` also writes): one key per
+routed expert and projection, MTP modules as `model.layers.{num_hidden_layers + k}.*` with their own copies of
+the shared embedding and head. In memory, experts are fused 3-D tensors and MTP modules share the embedding
+and head; this table is the only place that knows both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# HF key (after `model.` for per-layer keys) -> dstrain key. Per-layer keys not listed map unchanged.
+GLOBAL_KEYS: dict[str, str] = {
+    "model.embed_tokens.weight": "embed_tokens.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+# Inside an MTP layer `model.layers.{L+k}.`: module-specific keys; anything else is the block.
+MTP_KEYS: dict[str, str] = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "shared_head_norm.weight",
+}
+# MTP copies of tensors the model shares with the main model.
+MTP_SHARED_KEYS: dict[str, str] = {
+    "embed_tokens.weight": "embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
+# Per-expert projection -> (fused tensor, which half of gate_up_proj: 0 gate, 1 up, None whole).
+EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)")
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+class Target:
+    """Where one HF tensor lives in dstrain: a key, and optionally (expert, half) inside a fused tensor."""
+
+    __slots__ = ("key", "expert", "half", "shared")
+
+    def __init__(self, key: str, expert: int | None = None, half: int | None = None, shared: bool = False) -> None:
+        self.key, self.expert, self.half, self.shared = key, expert, half, shared
+
+
+def hf_to_dstrain(hf_key: str, cfg: ModelConfig) -> Target:
+    if hf_key in GLOBAL_KEYS:
+        return Target(GLOBAL_KEYS[hf_key])
+    m = _LAYER.fullmatch(hf_key)
+    if not m:
+        raise KeyError(hf_key)
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer < cfg.num_hidden_layers:
+        prefix = f"layers.{layer}."
+    else:
+        k = layer - cfg.num_hidden_layers
+        if k >= cfg.num_nextn_predict_layers:
+            raise KeyError(hf_key)
+        if rest in MTP_SHARED_KEYS:
+            return Target(MTP_SHARED_KEYS[rest], shared=True)
+        if rest in MTP_KEYS:
+            return Target(f"mtp.{k}.{MTP_KEYS[rest]}")
+        prefix = f"mtp.{k}.block."
+    e = _EXPERT.fullmatch(rest)
+    if e:
+        fused, half = EXPERT_PARTS[e.group(2)]
+        return Target(f"{prefix}mlp.experts.{fused}", expert=int(e.group(1)), half=half)
+    return Target(prefix + rest)
+
+
+def dstrain_to_hf(key: str, cfg: ModelConfig) -> list[str]:
+    """The HF keys a dstrain tensor is written as (several for fused experts, in expert order)."""
+    inverse = {v: k for k, v in GLOBAL_KEYS.items()}
+    if key in inverse:
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            return []
+        return [inverse[key]]
+    if key.startswith("layers."):
+        layer, rest = key[len("layers.") :].split(".", 1)
+        prefix = f"model.layers.{layer}."
+    elif key.startswith("mtp."):
+        k, rest = key[len("mtp.") :].split(".", 1)
+        prefix = f"model.layers.{cfg.num_hidden_layers + int(k)}."
+        inv_mtp = {v: hk for hk, v in MTP_KEYS.items()}
+        if rest in inv_mtp:
+            return [prefix + inv_mtp[rest]]
+        if not rest.startswith("block."):
+            raise KeyError(key)
+        rest = rest[len("block.") :]
+    else:
+        raise KeyError(key)
+    f = _FUSED.fullmatch(rest)
+    if f:
+        parts = [p for p, (fused, _) in EXPERT_PARTS.items() if fused == f.group(2)]
+        return [f"{prefix}{f.group(1)}.{e}.{p}.weight" for e in range(cfg.n_routed_experts) for p in parts]
+    return [prefix + rest]
+
+
+def _split_fused(t: torch.Tensor, name: str, cfg: ModelConfig) -> list[torch.Tensor]:
+    """Per-expert HF tensors of one fused tensor, in the order `dstrain_to_hf` lists their keys."""
+    if name.endswith("gate_up_proj"):
+        i = cfg.moe_intermediate_size
+        return [part for e in range(t.shape[0]) for part in (t[e, :i], t[e, i:])]
+    return list(t.unbind(0))
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """dstrain state dict -> (HF key, tensor) pairs, MTP copies of the shared embedding/head included."""
+    for key, t in state_dict.items():
+        names = dstrain_to_hf(key, cfg)
+        tensors = _split_fused(t, key, cfg) if len(names) > 1 else [t] * len(names)
+        yield from zip(names, tensors, strict=True)
+    for k in range(cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        for hf_rest, ds_key in MTP_SHARED_KEYS.items():
+            yield prefix + hf_rest, state_dict[ds_key]
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors -> dstrain state dict (fused experts stacked; MTP copies of shared tensors dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[tuple[int, int | None], torch.Tensor]] = {}
+    for hf_key, t in hf_state.items():
+        tgt = hf_to_dstrain(hf_key, cfg)
+        if tgt.shared:
+            continue
+        if tgt.expert is None:
+            out[tgt.key] = t
+        else:
+            pieces.setdefault(tgt.key, {})[(tgt.expert, tgt.half)] = t
+    for key, parts in pieces.items():
+        experts = sorted({e for e, _ in parts})
+        if key.endswith("gate_up_proj"):
+            out[key] = torch.stack([torch.cat([parts[(e, 0)], parts[(e, 1)]]) for e in experts])
+        else:
+            out[key] = torch.stack([parts[(e, None)] for e in experts])
+    return out
+
+
+# --------------------------------------------------------------------------- files
+def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False) -> dict[str, str]:
+    """HF key -> file holding it. Only safetensors unless `allow_unsafe_pickle`."""
+    path = str(path)
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SAFE_WEIGHTS)
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    bins = [n for n in os.listdir(path) if n.endswith(".bin")]
+    if bins and not allow_unsafe_pickle:
+        raise ValueError(
+            f"{path} holds only pickle weights ({bins[0]}): dstrain loads safetensors; convert them, or pass "
+            "allow_unsafe_pickle=True (--allow_unsafe_pickle) if you trust the files"
+        )
+    if bins:
+        return {"__pickle__": os.path.join(path, b) for b in bins}
+    raise ValueError(f"{path}: no {SAFE_WEIGHTS} or {SAFE_INDEX}")
+
+
+def iter_checkpoint(path: str | os.PathLike, allow_unsafe_pickle: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, tensor) one at a time, so peak memory stays about one tensor above the model."""
+    files = checkpoint_files(path, allow_unsafe_pickle)
+    if "__pickle__" in files:
+        for name in sorted(n for n in os.listdir(path) if n.endswith(".bin")):
+            state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+            yield from state.items()
+        return
+    by_file: dict[str, list[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, "pt") as f:
+            for key in keys:
+                yield key, f.get_tensor(key)
+
+
+def save_hf_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    path: str | os.PathLike,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[str]:
+    """Write (key, tensor) pairs as safetensors shards; an index is written when there is more than one."""
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    tmp_names: list[str] = []
+    weight_map: dict[str, int] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"_shard{len(tmp_names)}.tmp"
+        save_file(shards[-1], os.path.join(path, name), metadata={"format": "pt"})
+        tmp_names.append(name)
+        shards[-1] = {}
+
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        # contiguous clone: views of fused tensors must not share storage in the file
+        shards[-1][key] = t.detach().to("cpu").contiguous().clone()
+        weight_map[key] = len(tmp_names)
+        size += nbytes
+        total += nbytes
+    if shards[-1] or not tmp_names:
+        flush()
+    n = len(tmp_names)
+    if n == 1:
+        names = [SAFE_WEIGHTS]
+    else:
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for tmp, name in zip(tmp_names, names, strict=True):
+        os.replace(os.path.join(path, tmp), os.path.join(path, name))
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
+        with open(os.path.join(path, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    return names

@@ -1,0 +1,393 @@
+"""DeepSeek-V3/V2 causal LM as plain single-device PyTorch: MLA, DeepSeekMoE, multi-token prediction.
+
+Module names mirror the Hugging Face layout (minus the `model.` prefix) so the key table in `hf.py` stays small;
+routed experts are fused 3-D tensors so every rank touches every expert parameter (no ZeRO-3 hang) and a
+token's experts run as one GEMM per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import AttentionLayout, apply_rope, attend, attention_layout, rope_cos_sin, rope_frequencies, softmax_scale
+from .config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU FFN: the dense layers and the shared experts."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with decoupled rotary keys (one rotary key head shared by all heads)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.num_attention_heads, cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.scale = softmax_scale(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # Heads are read off the projection by reshape, so `tp` can split q_b/kv_b columns by whole heads.
+        q = q.view(b, t, -1, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        cos, sin = rope
+        q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave)
+        heads = q.shape[2]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
+        out = attend(q, k, v, self.scale, layout)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class Router(nn.Module):
+    """Top-k expert selection. V3: sigmoid scores, `e_score_correction_bias` added for selection only,
+    groups ranked by the sum of their top-2 scores. V2: softmax, greedy or groups ranked by their max."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.uses_expert_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+        # `.to(bf16)`/`.half()` (and DeepSpeed's bf16 cast) must not round the balancing bias: keep it fp32.
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        new = self.e_score_correction_bias
+        if bias is not None and new is not None and new.dtype != torch.float32:
+            self.e_score_correction_bias = bias.to(device=new.device, dtype=torch.float32)
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, D) -> scores (N, E) fp32, expert indices (N, k), combine weights (N, k) fp32."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        choice = scores.detach()
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias
+        if cfg.n_group > 1 and cfg.topk_method != "greedy":
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            if cfg.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices, True)
+            fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
+        idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts as fused 3-D weights: gate_up_proj (E, 2I, D) [gate rows, then up rows], down_proj (E, D, I)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = idx.shape
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        xs = x[order // k]
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            gate, up = F.linear(xs[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            start += c
+        ys = torch.cat(outs)
+        y = torch.empty_like(ys).index_copy(0, order, ys).view(n, k, -1)
+        return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call."""
+        b, t, d = x.shape
+        cfg = self.cfg
+        scores, idx, weights = self.gate(x.reshape(-1, d))
+        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        # Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20): per row, sum_i f_i * P_i with
+        # f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity.
+        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(
+            1, idx.view(b, t * k), torch.ones(b, t * k, device=x.device)
+        )
+        f = load_per_row * (e / (k * t))
+        normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
+        p = normed.view(b, t, e).mean(dim=1)
+        aux = (f * p).sum(dim=1).mean()
+        return out, aux, load_per_row.sum(0)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, layout):  # noqa: ANN001 - called through checkpoint()
+        x = x + self.self_attn(self.input_layernorm(x), rope, layout)
+        if isinstance(self.mlp, MoE):
+            out, aux, load = self.mlp(self.post_attention_layernorm(x))
+            return x + out, aux, load
+        return x + self.mlp(self.post_attention_layernorm(x)), None, None
+
+
+class MTPLayer(nn.Module):
+    """Depth-k multi-token prediction: combine the previous depth's hidden state with the embedding of the
+    token k ahead, run one block, predict with the shared head (its own final norm)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = Block(cfg, layer_idx)
+        self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    lm_loss_sum: torch.Tensor | None = None
+    lm_tokens: torch.Tensor | None = None
+    mtp_loss_sum: torch.Tensor | None = None
+    mtp_tokens: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
+
+
+def target_mask(labels: torch.Tensor, position_ids: torch.Tensor | None, shift: int) -> torch.Tensor:
+    """(B, T-shift) bool: position t predicts labels[t+shift] inside its own document."""
+    valid = labels[:, shift:] != IGNORE_INDEX
+    if position_ids is not None:
+        valid = valid & (position_ids[:, shift:] == position_ids[:, :-shift] + shift)
+    return valid
+
+
+class DeepSeekLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        n = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
+        self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
+        self.activation_checkpointing = False
+        self.loss_chunk_tokens = 4096
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
+
+    # -------------------------------------------------------------- init and balancing
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None, modules: list[nn.Module] | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and the expert bias.
+        `modules` restricts it to some subtrees (e.g. MTP layers missing from a checkpoint)."""
+        std = self.config.initializer_range
+        roots = modules if modules is not None else [self]
+        for module in (m for root in roots for m in root.modules()):
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (Router, Experts)):
+                for p in module.parameters(recurse=False):
+                    p.normal_(0.0, std, generator=generator)
+                if isinstance(module, Router) and module.e_score_correction_bias is not None:
+                    module.e_score_correction_bias.zero_()
+
+    def tie_weights(self) -> None:
+        """Re-tie after anything that replaces Parameters (`to_empty` from the meta device does)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def routers(self) -> list[Router]:
+        blocks = [*self.layers, *(m.block for m in self.mtp)]
+        return [b.mlp.gate for b in blocks if isinstance(b.mlp, MoE)]
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing: bias_i += γ·sign(mean(load) − load_i), one row of `load` per MoE layer,
+        counted over every token of the step on every rank."""
+        gamma = self.config.bias_update_speed
+        if gamma == 0:
+            return
+        for router, layer_load in zip(self.routers(), load, strict=True):
+            if router.e_score_correction_bias is not None:
+                layer_load = layer_load.float().to(router.e_score_correction_bias.device)
+                router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.activation_checkpointing = enabled
+
+    # -------------------------------------------------------------- forward
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = position_ids.device
+        if dev not in self._rope_cache:
+            inv_freq, factor = rope_frequencies(self.config)
+            self._rope_cache[dev] = (inv_freq.to(dev), factor)
+        inv_freq, factor = self._rope_cache[dev]
+        return rope_cos_sin(position_ids, inv_freq, factor)
+
+    def _block(self, block: Block, h, rope, layout):  # noqa: ANN001
+        if self.activation_checkpointing and self.training:
+            return checkpoint(block, h, rope, layout, use_reentrant=False)
+        return block(h, rope, layout)
+
+    def _ce_sum(self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of token cross-entropies over valid positions, in chunks recomputed in backward, so the
+        (tokens x vocab) logits never exist whole."""
+        h, targets = h[valid], targets[valid]
+        total = h.new_zeros((), dtype=torch.float32)
+        for s in range(0, h.shape[0], self.loss_chunk_tokens):
+            hc, tc = h[s : s + self.loss_chunk_tokens], targets[s : s + self.loss_chunk_tokens]
+            total = total + checkpoint(self._chunk_ce, hc, tc, use_reentrant=False)
+        return total, valid.sum()
+
+    def _chunk_ce(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lm_head(h).float(), targets, reduction="sum")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document; labels (B, T) unshifted,
+        -100 = not a target. Logits are returned when there are no labels (or when asked)."""
+        cfg = self.config
+        b, t = input_ids.shape
+        layout = attention_layout(position_ids, b, t, input_ids.device)
+        pos = position_ids if position_ids is not None else torch.arange(t, device=input_ids.device).expand(b, t)
+        rope = self._rope(pos)
+        h = self.embed_tokens(input_ids)
+        aux_terms, loads = [], []
+        for block in self.layers:
+            h, aux, load = self._block(block, h, rope, layout)
+            if aux is not None:
+                aux_terms.append(aux)
+                loads.append(load)
+        main_hidden = self.norm(h)
+        out = ModelOutput()
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(main_hidden)
+        run_mtp = labels is not None and len(self.mtp) > 0
+        if labels is not None:
+            out.lm_loss_sum, out.lm_tokens = self._ce_sum(main_hidden[:, :-1], labels[:, 1:], target_mask(labels, position_ids, 1))
+        if run_mtp:
+            sums, counts = [], []
+            prev = main_hidden
+            for k, mtp in enumerate(self.mtp, start=1):
+                # Input at position i is token i+k; the last k positions have none (their targets are masked).
+                ahead = F.pad(input_ids[:, k:], (0, k))
+                x = mtp.eh_proj(torch.cat([mtp.enorm(self.embed_tokens(ahead)), mtp.hnorm(prev)], dim=-1))
+                prev, aux, load = self._block(mtp.block, x, rope, layout)
+                if aux is not None:
+                    aux_terms.append(aux)
+                    loads.append(load)
+                shift = k + 1
+                if t > shift:
+                    s, c = self._ce_sum(
+                        mtp.shared_head_norm(prev)[:, :-shift], labels[:, shift:], target_mask(labels, position_ids, shift)
+                    )
+                else:
+                    s, c = prev.new_zeros((), dtype=torch.float32), labels.new_zeros(())
+                sums.append(s)
+                counts.append(c)
+            out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
+        if aux_terms:
+            out.aux_loss = torch.stack(aux_terms).sum()
+            out.expert_load = torch.stack(loads).detach()
+        if labels is not None:
+            loss = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            if run_mtp and cfg.mtp_loss_weight:
+                per_depth = out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)
+                loss = loss + cfg.mtp_loss_weight * per_depth.mean()
+            if out.aux_loss is not None and cfg.aux_loss_alpha:
+                loss = loss + cfg.aux_loss_alpha * out.aux_loss
+            out.loss = loss
+        return out
