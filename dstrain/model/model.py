@@ -19,6 +19,28 @@ from .config import ModelConfig
 
 IGNORE_INDEX = -100
 
+# CPUs without bf16 instructions (no AVX512-BF16 / AMX) run bf16 GEMMs several times slower than fp32 ones.
+# There, bf16 linears compute in fp32 and round the output to bf16: the semantics of a bf16 GEMM with fp32
+# accumulation, at fp32 speed. GPUs and bf16-capable CPUs use native bf16.
+_CPU_NATIVE_BF16 = bool(
+    getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _CPU_NATIVE_BF16:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict, still an nn.Linear for peft) using `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -38,9 +60,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -54,15 +76,15 @@ class MLA(nn.Module):
         self.cfg = cfg
         h, d = cfg.num_attention_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout) -> torch.Tensor:
@@ -153,13 +175,14 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         xs = x[order // k]
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            gate, up = F.linear(xs[start : start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-            start += c
+        # unbind, not `param[e]`: each indexing op would allocate a whole-tensor zero gradient in backward.
+        # Likewise split (not slice) the sorted tokens.
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        outs = []
+        for e, chunk in enumerate(xs.split(counts)):
+            if chunk.shape[0]:
+                gate, up = linear(chunk, gate_up[e]).chunk(2, dim=-1)
+                outs.append(linear(F.silu(gate) * up, down[e]))
         ys = torch.cat(outs)
         y = torch.empty_like(ys).index_copy(0, order, ys).view(n, k, -1)
         return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
@@ -218,7 +241,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = Block(cfg, layer_idx)
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -250,12 +273,14 @@ class DeepSeekLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         n = cfg.num_hidden_layers
         self.mtp = nn.ModuleList(MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
         self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
         self.activation_checkpointing = False
+        # Past this many logits (512 MB in fp32) the loss runs in recomputed chunks of loss_chunk_tokens.
+        self.loss_chunk_elements = 2**27
         self.loss_chunk_tokens = 4096
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
@@ -318,9 +343,11 @@ class DeepSeekLM(nn.Module):
         return block(h, rope, layout)
 
     def _ce_sum(self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of token cross-entropies over valid positions, in chunks recomputed in backward, so the
-        (tokens x vocab) logits never exist whole."""
+        """Sum of token cross-entropies over valid positions. Large (tokens x vocab) logits are never
+        materialised whole: they are computed in chunks that backward recomputes."""
         h, targets = h[valid], targets[valid]
+        if h.shape[0] * self.config.vocab_size <= self.loss_chunk_elements:
+            return self._chunk_ce(h, targets), valid.sum()
         total = h.new_zeros((), dtype=torch.float32)
         for s in range(0, h.shape[0], self.loss_chunk_tokens):
             hc, tc = h[s : s + self.loss_chunk_tokens], targets[s : s + self.loss_chunk_tokens]
