@@ -100,7 +100,9 @@ class AttentionLayout:
     max_seqlen: int = 0
 
 
-def attention_layout(position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> AttentionLayout:
+def attention_layout(
+    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device
+) -> AttentionLayout:
     """A document starts wherever position_ids restart at 0 (and at every row start)."""
     if position_ids is None:
         return AttentionLayout(causal_only=True)
@@ -118,7 +120,9 @@ def attention_layout(position_ids: torch.Tensor | None, batch: int, seq: int, de
     return AttentionLayout(causal_only=False, mask=mask, cu_seqlens=cu, max_seqlen=max_len)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttentionLayout) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttentionLayout
+) -> torch.Tensor:
     """q, k: (B, T, H, Dqk); v: (B, T, H, Dv) -> (B, T, H, Dv)."""
     b, t, h, dv = v.shape
     use_flash = (

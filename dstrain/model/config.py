@@ -123,20 +123,26 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
         if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
-            raise ValueError(f"topk_method={self.topk_method!r}: expected noaux_tc, greedy or group_limited_greedy")
+            raise ValueError(
+                f"topk_method={self.topk_method!r}: expected noaux_tc, greedy or group_limited_greedy"
+            )
         if self.scoring_func not in ("sigmoid", "softmax"):
             raise ValueError(f"scoring_func={self.scoring_func!r}: expected 'sigmoid' or 'softmax'")
         if self.is_moe:
             e = self.n_routed_experts
             if not 0 < self.num_experts_per_tok <= e:
-                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={e}")
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts={e}"
+                )
             if self.n_group < 1 or e % self.n_group:
                 raise ValueError(f"n_routed_experts={e} must be divisible by n_group={self.n_group}")
             if not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
             per_group = e // self.n_group
             if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
-                raise ValueError(f"noaux_tc group scores sum the top 2 experts: n_routed_experts/n_group={per_group} < 2")
+                raise ValueError(
+                    f"noaux_tc group scores sum the top 2 experts: n_routed_experts/n_group={per_group} < 2"
+                )
             if self.num_experts_per_tok > self.topk_group * per_group:
                 raise ValueError(
                     f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group={self.topk_group} groups"
@@ -144,7 +150,9 @@ class ModelConfig:
             if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
                 raise ValueError("topk_method='noaux_tc' requires scoring_func='sigmoid'")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in 0..num_hidden_layers")
+            raise ValueError(
+                f"first_k_dense_replace={self.first_k_dense_replace} must be in 0..num_hidden_layers"
+            )
         if self.num_nextn_predict_layers < 0:
             raise ValueError(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         for name in TRAINING_FIELDS:
@@ -183,7 +191,9 @@ class ModelConfig:
         d = copy.deepcopy(d)
         model_type = d.get("model_type")
         if model_type not in ("deepseek_v3", "deepseek_v2"):
-            raise ValueError(f"config.json model_type={model_type!r}: dstrain loads deepseek_v3 or deepseek_v2")
+            raise ValueError(
+                f"config.json model_type={model_type!r}: dstrain loads deepseek_v3 or deepseek_v2"
+            )
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", *TRAINING_FIELDS}
         kwargs: dict[str, Any] = {}
         # transformers 5 writes `rope_parameters` (theta inside); older/official configs write rope_theta + rope_scaling.
@@ -215,7 +225,9 @@ class ModelConfig:
             d.pop("scoring_func", None)
         for flag_key in ("moe_layer_freq",):
             if d.get(flag_key, 1) != 1:
-                raise ValueError(f"config.json {flag_key}={d[flag_key]}: only 1 (every layer past the dense ones) is supported")
+                raise ValueError(
+                    f"config.json {flag_key}={d[flag_key]}: only 1 (every layer past the dense ones) is supported"
+                )
         extra: dict[str, Any] = {}
         for key, value in d.items():
             if key in names and key not in kwargs:
@@ -224,7 +236,13 @@ class ModelConfig:
                 extra[key] = value
         if kwargs.get("n_routed_experts") is None:
             kwargs["n_routed_experts"] = None
-        for key in ("num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts"):
+        for key in (
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "first_k_dense_replace",
+            "n_shared_experts",
+        ):
             if kwargs.get(key) is None:
                 kwargs.pop(key, None)
         if isinstance(kwargs.get("eos_token_id"), list):
@@ -235,7 +253,9 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers' DeepseekV3/V2 configs load (and the official layout understands)."""
         d: dict[str, Any] = {
-            "architectures": ["DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"]
+            "architectures": [
+                "DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
+            ]
         }
         skip = {"extra", "rope_theta", "rope_scaling", *TRAINING_FIELDS}
         for f in dataclasses.fields(self):

@@ -51,7 +51,9 @@ def param_counts(config: str | os.PathLike | ModelConfig, include_mtp: bool = Tr
     return {"total": total + v * d, "active": active, "embedding": v * d}
 
 
-def flops_per_token(config: str | os.PathLike | ModelConfig, seq_len: int, include_mtp: bool = False) -> float:
+def flops_per_token(
+    config: str | os.PathLike | ModelConfig, seq_len: int, include_mtp: bool = False
+) -> float:
     """Training FLOPs per token: 6 x active matmul parameters (embedding lookup excluded) plus causal
     attention, 6 x (T/2) x heads x (qk_head_dim + v_head_dim) per layer. MTP depth is excluded unless asked,
     like DeepSeek's published 250 GFLOPs/token for V3 at 4K."""

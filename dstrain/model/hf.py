@@ -60,7 +60,9 @@ class Target:
 
     __slots__ = ("key", "expert", "half", "shared")
 
-    def __init__(self, key: str, expert: int | None = None, half: int | None = None, shared: bool = False) -> None:
+    def __init__(
+        self, key: str, expert: int | None = None, half: int | None = None, shared: bool = False
+    ) -> None:
         self.key, self.expert, self.half, self.shared = key, expert, half, shared
 
 
@@ -160,7 +162,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 # --------------------------------------------------------------------------- files
 def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False) -> dict[str, str]:
-    """HF key -> file holding it. Only safetensors unless `allow_unsafe_pickle`."""
+    """HF key -> safetensors file holding it; {} for a pickle-only folder when `allow_unsafe_pickle`."""
     path = str(path)
     index = os.path.join(path, SAFE_INDEX)
     if os.path.isfile(index):
@@ -171,24 +173,31 @@ def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False)
     if os.path.isfile(single):
         with safe_open(single, "pt") as f:
             return {k: single for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    bins = [n for n in os.listdir(path) if n.endswith(".bin")]
+    bins = _pickle_files(path)
     if bins and not allow_unsafe_pickle:
         raise ValueError(
             f"{path} holds only pickle weights ({bins[0]}): dstrain loads safetensors; convert them, or pass "
             "allow_unsafe_pickle=True (--allow_unsafe_pickle) if you trust the files"
         )
     if bins:
-        return {"__pickle__": os.path.join(path, b) for b in bins}
+        return {}
     raise ValueError(f"{path}: no {SAFE_WEIGHTS} or {SAFE_INDEX}")
 
 
-def iter_checkpoint(path: str | os.PathLike, allow_unsafe_pickle: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _pickle_files(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".bin"))
+
+
+def iter_checkpoint(
+    path: str | os.PathLike, allow_unsafe_pickle: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, tensor) one at a time, so peak memory stays about one tensor above the model."""
+    path = str(path)
     files = checkpoint_files(path, allow_unsafe_pickle)
-    if "__pickle__" in files:
-        for name in sorted(n for n in os.listdir(path) if n.endswith(".bin")):
-            state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
-            yield from state.items()
+    if not files:
+        for name in _pickle_files(path):
+            # weights_only still refuses arbitrary objects: the flag only admits the pickle container.
+            yield from torch.load(os.path.join(path, name), map_location="cpu", weights_only=True).items()
         return
     by_file: dict[str, list[str]] = {}
     for key, file in files.items():
@@ -239,7 +248,10 @@ def save_hf_tensors(
     for tmp, name in zip(tmp_names, names, strict=True):
         os.replace(os.path.join(path, tmp), os.path.join(path, name))
     if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: names[i] for k, i in sorted(weight_map.items())},
+        }
         with open(os.path.join(path, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2)
     return names

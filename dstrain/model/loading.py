@@ -106,7 +106,9 @@ def from_pretrained(
                 i = cfg.moe_intermediate_size
                 dest = dest[tgt.half * i : (tgt.half + 1) * i]
         if dest.shape != t.shape:
-            raise ValueError(f"{path}: {hf_key} has shape {tuple(t.shape)}, the config implies {tuple(dest.shape)}")
+            raise ValueError(
+                f"{path}: {hf_key} has shape {tuple(t.shape)}, the config implies {tuple(dest.shape)}"
+            )
         dest.copy_(t)
         filled[tgt.key].add((tgt.expert, tgt.half))
 
@@ -128,7 +130,9 @@ def from_pretrained(
     if pending_fp8:
         raise ValueError(f"{path}: FP8 tensor {next(iter(pending_fp8))} has no weight_scale_inv")
     if unexpected:
-        raise ValueError(f"{path}: {len(unexpected)} tensors the config does not describe, e.g. {unexpected[0]}")
+        raise ValueError(
+            f"{path}: {len(unexpected)} tensors the config does not describe, e.g. {unexpected[0]}"
+        )
     _check_shared_copies(shared_copies, state, cfg)
     if cfg.tie_word_embeddings:
         filled["lm_head.weight"] = filled["embed_tokens.weight"]
@@ -163,11 +167,15 @@ def _pieces(key: str, cfg: ModelConfig) -> int:
     return 1
 
 
-def _check_shared_copies(copies: dict[str, torch.Tensor], state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def _check_shared_copies(
+    copies: dict[str, torch.Tensor], state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> None:
     for hf_key, t in copies.items():
         tgt = hf_to_dstrain(hf_key, cfg)
         if not torch.equal(t.to(state[tgt.key].dtype), state[tgt.key].data):
-            log.warning("%s differs from %s; dstrain ties MTP embedding/head to the main ones", hf_key, tgt.key)
+            log.warning(
+                "%s differs from %s; dstrain ties MTP embedding/head to the main ones", hf_key, tgt.key
+            )
 
 
 def save_pretrained(
@@ -196,6 +204,10 @@ def save_pretrained(
     hf_cfg["dtype"] = str(out_dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2, sort_keys=True)
-    gen = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(cfg, k) is not None}
+    gen = {
+        k: getattr(cfg, k)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if getattr(cfg, k) is not None
+    }
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)

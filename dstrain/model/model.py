@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import AttentionLayout, apply_rope, attend, attention_layout, rope_cos_sin, rope_frequencies, softmax_scale
+from .attention import (
+    AttentionLayout,
+    apply_rope,
+    attend,
+    attention_layout,
+    rope_cos_sin,
+    rope_frequencies,
+    softmax_scale,
+)
 from .config import ModelConfig
 
 IGNORE_INDEX = -100
@@ -87,7 +95,9 @@ class MLA(nn.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout
+    ) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         if cfg.q_lora_rank is None:
@@ -98,7 +108,9 @@ class MLA(nn.Module):
         q = q.view(b, t, -1, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(
+            b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         cos, sin = rope
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
@@ -119,7 +131,9 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if cfg.uses_expert_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+            )
         else:
             self.e_score_correction_bias = None
 
@@ -194,7 +208,11 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call."""
@@ -286,7 +304,9 @@ class DeepSeekLM(nn.Module):
 
     # -------------------------------------------------------------- init and balancing
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None, modules: list[nn.Module] | None = None) -> None:
+    def init_weights(
+        self, generator: torch.Generator | None = None, modules: list[nn.Module] | None = None
+    ) -> None:
         """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and the expert bias.
         `modules` restricts it to some subtrees (e.g. MTP layers missing from a checkpoint)."""
         std = self.config.initializer_range
@@ -342,7 +362,9 @@ class DeepSeekLM(nn.Module):
             return checkpoint(block, h, rope, layout, use_reentrant=False)
         return block(h, rope, layout)
 
-    def _ce_sum(self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ce_sum(
+        self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of token cross-entropies over valid positions. Large (tokens x vocab) logits are never
         materialised whole: they are computed in chunks that backward recomputes."""
         h, targets = h[valid], targets[valid]
@@ -369,7 +391,11 @@ class DeepSeekLM(nn.Module):
         cfg = self.config
         b, t = input_ids.shape
         layout = attention_layout(position_ids, b, t, input_ids.device)
-        pos = position_ids if position_ids is not None else torch.arange(t, device=input_ids.device).expand(b, t)
+        pos = (
+            position_ids
+            if position_ids is not None
+            else torch.arange(t, device=input_ids.device).expand(b, t)
+        )
         rope = self._rope(pos)
         h = self.embed_tokens(input_ids)
         aux_terms, loads = [], []
@@ -384,7 +410,9 @@ class DeepSeekLM(nn.Module):
             out.logits = self.lm_head(main_hidden)
         run_mtp = labels is not None and len(self.mtp) > 0
         if labels is not None:
-            out.lm_loss_sum, out.lm_tokens = self._ce_sum(main_hidden[:, :-1], labels[:, 1:], target_mask(labels, position_ids, 1))
+            out.lm_loss_sum, out.lm_tokens = self._ce_sum(
+                main_hidden[:, :-1], labels[:, 1:], target_mask(labels, position_ids, 1)
+            )
         if run_mtp:
             sums, counts = [], []
             prev = main_hidden
@@ -399,7 +427,9 @@ class DeepSeekLM(nn.Module):
                 shift = k + 1
                 if t > shift:
                     s, c = self._ce_sum(
-                        mtp.shared_head_norm(prev)[:, :-shift], labels[:, shift:], target_mask(labels, position_ids, shift)
+                        mtp.shared_head_norm(prev)[:, :-shift],
+                        labels[:, shift:],
+                        target_mask(labels, position_ids, shift),
                     )
                 else:
                     s, c = prev.new_zeros((), dtype=torch.float32), labels.new_zeros(())

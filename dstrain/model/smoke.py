@@ -32,5 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         model.update_expert_bias(out.expert_load)
         dt = time.perf_counter() - t0
-        print(f"step {step} loss {out.loss.item():.4f} aux {out.aux_loss.item():.4f} {ids.numel() / dt:,.0f} tok/s")
+        print(
+            f"step {step} loss {out.loss.item():.4f} aux {out.aux_loss.item():.4f} {ids.numel() / dt:,.0f} tok/s"
+        )
     return 0
