@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import compute_dtype
 
 try:  # flash-attn is optional: used for packed rows on CUDA when installed
     from flash_attn import flash_attn_varlen_func
@@ -144,9 +145,15 @@ def attend(
             causal=True,
         )
         return out[..., :dv].reshape(b, t, h, dv)
+    dtype = q.dtype
+    if q.device.type == "cpu":
+        cdtype = compute_dtype(q)
+        q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
+        if dv < q.shape[-1]:  # the CPU flash kernel needs one head dim; its math fallback is ~1.7x slower
+            v = F.pad(v, (0, q.shape[-1] - dv))
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if layout.causal_only:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale)
-    return out.transpose(1, 2)
+    return out[..., :dv].transpose(1, 2).to(dtype)

@@ -24,30 +24,9 @@ from .attention import (
     softmax_scale,
 )
 from .config import ModelConfig
+from .kernels import Linear, linear
 
 IGNORE_INDEX = -100
-
-# CPUs without bf16 instructions (no AVX512-BF16 / AMX) run bf16 GEMMs several times slower than fp32 ones.
-# There, bf16 linears compute in fp32 and round the output to bf16: the semantics of a bf16 GEMM with fp32
-# accumulation, at fp32 speed. GPUs and bf16-capable CPUs use native bf16.
-_CPU_NATIVE_BF16 = bool(
-    getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _CPU_NATIVE_BF16:
-        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return out.to(torch.bfloat16)
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict, still an nn.Linear for peft) using `linear` above."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
