@@ -1,0 +1,16 @@
+"""dstrain's data pipeline: sources -> formats -> tokenizer -> packing -> resumable per-rank loader.
+
+Public API (the trainer's contract, see docs/interfaces.md):
+
+    from dstrain.data import DataOptions, load_tokenizer, build_loader
+    tok = load_tokenizer(opts.tokenizer, model_path)
+    loader = build_loader(opts, tok, micro_batch_size, dp_rank=r, dp_world=n, seed=s)
+    batch = next(loader)  # input_ids / labels / position_ids, LongTensor (micro_batch_size, seq_len)
+    state = loader.state_dict(); loader.load_state_dict(state)
+"""
+
+from .loader import Loader, build_loader
+from .options import DataError, DataOptions, field_help
+from .tokenizer import load_tokenizer
+
+__all__ = ["DataError", "DataOptions", "Loader", "build_loader", "field_help", "load_tokenizer"]

