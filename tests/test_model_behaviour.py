@@ -9,9 +9,23 @@ import torch.nn.functional as F
 from dstrain.model import ModelConfig, build_model, flops_per_token, get_config
 from dstrain.model.model import MoE
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-             num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-             v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+)
 
 
 def tiny(**kw):
@@ -67,7 +81,12 @@ def test_mtp_loss_matches_hand_computation():
             h = blk(h, rope, AttentionLayout(causal_only=True))[0]
         prev = model.norm(h)
         for k, mtp in enumerate(model.mtp, start=1):
-            emb = torch.stack([model.embed_tokens.weight[ids[0, i + k]] if i + k < t else model.embed_tokens.weight[0] for i in range(t)])[None]
+            emb = torch.stack(
+                [
+                    model.embed_tokens.weight[ids[0, i + k]] if i + k < t else model.embed_tokens.weight[0]
+                    for i in range(t)
+                ]
+            )[None]
             x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(prev)], -1))
             prev, _, _ = mtp.block(x, rope, AttentionLayout(causal_only=True))
             logp = F.log_softmax(model.lm_head(mtp.shared_head_norm(prev))[0], -1)

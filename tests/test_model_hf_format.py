@@ -17,7 +17,11 @@ from dstrain.model.hf import SAFE_INDEX, from_hf, to_hf
 def read_folder(path):
     """Every tensor of a safetensors folder, by key."""
     index = path / SAFE_INDEX
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     out = {}
     for name in files:
         with safe_open(path / name, "pt") as f:
@@ -46,7 +50,9 @@ def official_folder(path, dtype=torch.bfloat16, shards=2):
     sd[f"model.layers.{n}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
     sd[f"model.layers.{n}.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
     sd[f"model.layers.{n}.shared_head.head.weight"] = sd["lm_head.weight"]
-    sd = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)).contiguous() for k, v in sd.items()}
+    sd = {
+        k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)).contiguous() for k, v in sd.items()
+    }
     keys = sorted(sd)
     weight_map = {}
     for i in range(shards):
@@ -153,4 +159,6 @@ def test_expert_bias_stays_fp32_under_bf16_cast():
     r = model.routers()[0]
     r.e_score_correction_bias.fill_(1e-4 + 1e-7)
     model.half()
-    assert r.e_score_correction_bias.dtype == torch.float32 and r.e_score_correction_bias[0].item() == pytest.approx(1e-4 + 1e-7, rel=1e-6)
+    assert r.e_score_correction_bias.dtype == torch.float32 and r.e_score_correction_bias[
+        0
+    ].item() == pytest.approx(1e-4 + 1e-7, rel=1e-6)

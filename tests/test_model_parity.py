@@ -9,10 +9,16 @@ from dstrain.model import from_pretrained
 CASES = {
     "v3_yarn_groups_bias": lambda: v3_config(),
     "v3_q_lora_null": lambda: v3_config(q_lora_rank=None, n_group=1, topk_group=1),
-    "v3_no_interleave_no_yarn": lambda: v3_config(rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
-    "v3_tied_unnormed": lambda: v3_config(tie_word_embeddings=True, norm_topk_prob=False, routed_scaling_factor=1.0),
+    "v3_no_interleave_no_yarn": lambda: v3_config(
+        rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}
+    ),
+    "v3_tied_unnormed": lambda: v3_config(
+        tie_word_embeddings=True, norm_topk_prob=False, routed_scaling_factor=1.0
+    ),
     "v2_group_limited_yarn": lambda: v2_config(),
-    "v2_greedy_q_lora": lambda: v2_config(topk_method="greedy", q_lora_rank=20, n_group=None, topk_group=None),
+    "v2_greedy_q_lora": lambda: v2_config(
+        topk_method="greedy", q_lora_rank=20, n_group=None, topk_group=None
+    ),
 }
 
 

@@ -1,0 +1,25 @@
+"""Entry point: `deepspeed dstrain/train.py ...`, `torchrun ... dstrain/train.py ...`, `python dstrain/train.py`,
+`accelerate launch ... dstrain/train.py ...`, or `dstrain train ...` (which calls main())."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a file, Python puts dstrain/ first on sys.path, where `data`, `model`, `training`... would shadow
+# top-level packages of the same names; drop it, and find the package from a checkout that is not installed.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == _HERE:
+    sys.path.pop(0)
+    if os.path.dirname(_HERE) not in sys.path:
+        sys.path.append(os.path.dirname(_HERE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dstrain.training.app import main as app_main
+
+    return app_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""dstrain's training engine: options, DeepSpeed config resolution, the loop, checkpoints, metrics."""

@@ -1,0 +1,226 @@
+"""Checkpoints: DeepSpeed's engine state plus dstrain's own per-rank state (JSON, no pickle).
+
+Layout: OUTPUT_DIR/checkpoints/step_00000100/ holds DeepSpeed's files, dstrain_state/rank_00000.json ... and,
+once every rank has finished writing, a COMPLETE marker (JSON: step, world size, every file and its size)
+written by rank 0 after a barrier; only then does rank 0 point `latest` at it. A folder without a valid
+marker is never resumed from, so a crash mid-save leaves the previous checkpoint in charge.
+
+Trust: dstrain's own state is JSON (never unpickled), but DeepSpeed's load_checkpoint reads its files with
+torch.load(weights_only=False) (its state holds optimizer and config objects), i.e. it unpickles: resume only
+checkpoints you or your jobs wrote. dstrain loads none without a COMPLETE marker whose file sizes all match.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import dist
+from .errors import CheckpointError
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+STATE_DIR = "dstrain_state"
+TAG_RE = re.compile(r"^step_(\d+)$")
+KILL_ENV = "DSTRAIN_TEST_KILL_DURING_SAVE"
+
+
+def checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------ RNG state as JSON
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# ------------------------------------------------------------------ finding checkpoints
+def _files(path: Path) -> dict[str, int]:
+    out = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp"):
+            out[str(p.relative_to(path))] = p.stat().st_size
+    return out
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint, after checking every file it lists is there, whole."""
+    marker = path / MARKER
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such folder")
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER} marker: its save did not finish)"
+        )
+    try:
+        info = json.loads(marker.read_text())
+        files = info["files"]
+        int(info["step"]), int(info["world_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({exc})") from None
+    for rel, size in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} is missing")
+        if p.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {rel} has {p.stat().st_size} bytes, expected {size}"
+            )
+    return info
+
+
+def complete_checkpoints(root: Path) -> list[tuple[float, int, Path]]:
+    """(completion time, step, folder) of every valid checkpoint under root, oldest first."""
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if TAG_RE.match(p.name) and (p / MARKER).is_file():
+                try:
+                    info = read_marker(p)
+                except CheckpointError:
+                    continue
+                found.append((float(info.get("saved_at", 0.0)), int(info["step"]), p))
+    return sorted(found)
+
+
+def newest_complete(root: Path) -> Path | None:
+    # The most recently completed one, not the highest step: after resuming an older checkpoint into the
+    # same folder, the newer steps of the abandoned run must not win the next `--resume auto`.
+    found = complete_checkpoints(root)
+    return found[-1][2] if found else None
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
+    """The checkpoint folder to continue, None for a fresh start; CheckpointError for an unusable path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return newest_complete(checkpoint_root(output_dir))
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"--resume {resume}: no such file or folder")
+    if (path / MARKER).exists() or TAG_RE.match(path.name) or (path / STATE_DIR).is_dir():
+        read_marker(path)
+        return path
+    for root in (path / "checkpoints", path):
+        found = newest_complete(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"--resume {resume}: no complete checkpoint in this folder")
+
+
+# ------------------------------------------------------------------ save / load
+def save(engine: Any, output_dir: str, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder (complete on return)."""
+    root = checkpoint_root(output_dir)
+    tag = tag_for(step)
+    path = root / tag
+    rank, world = state["rank"], state["world_size"]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a partial leftover of a crashed save, or an older run's: never mix files
+            (path / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(path)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
+    (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    _write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
+    if os.environ.get(KILL_ENV) == str(step) and rank == min(1, world - 1):
+        os.kill(os.getpid(), signal.SIGKILL)  # test hook: die after writing, before the marker
+    dist.barrier()
+    if rank == 0:
+        marker = {"step": step, "world_size": world, "saved_at": time.time(), "files": _files(path)}
+        _write_json(path / MARKER, marker)
+        _write_text(root / LATEST, tag)
+        _prune(root, keep_last, keep=path)
+    dist.barrier()
+    return path
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    if keep_last <= 0:
+        return
+    older = [p for _, _, p in complete_checkpoints(root) if p != keep]
+    for p in older[: max(0, len(older) - (keep_last - 1))]:
+        (p / MARKER).unlink(missing_ok=True)  # first, so a half-deleted folder never looks complete
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load(engine: Any, path: Path, rank: int, world_size: int) -> dict[str, Any]:
+    info = read_marker(path)
+    if int(info["world_size"]) != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {info['world_size']} ranks; this run has {world_size} "
+            "(exact resume needs the same data-parallel size)"
+        )
+    state_file = path / STATE_DIR / f"rank_{rank:05d}.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {state_file.name} ({exc})") from None
+    load_path, _ = engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if load_path is None:
+        raise CheckpointError(f"checkpoint {path}: DeepSpeed could not load it")
+    return state

@@ -1,0 +1,359 @@
+"""DeepSpeed config: load, fill the "auto" fields dstrain owns from its options, validate, before anything
+is allocated. dstrain's options are the one source of truth for batch sizes, clipping, precision and the
+optimizer/scheduler settings; an explicit value in the JSON must agree with them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .options import TrainOptions, min_lr
+from .schedule import DS_SCHEDULER_TYPES
+
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+AUTO = "auto"
+OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach"}
+SCHEDULER_PARAMS = {
+    "WarmupCosineLR": {
+        "total_num_steps",
+        "warmup_num_steps",
+        "warmup_min_ratio",
+        "cos_min_ratio",
+        "warmup_type",
+    },
+    "WarmupDecayLR": {"total_num_steps", "warmup_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_type"},
+    "WarmupLR": {"warmup_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_type"},
+}
+BF16_KEYS = {
+    "enabled",
+    "immediate_grad_update",
+    "check_grad_overflow",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+}
+
+
+def config_path(spec: str | None) -> Path:
+    """A JSON path, or the name of a shipped config (zero3 -> ds_configs/zero3.json)."""
+    spec = spec or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "zero1"
+    for cand in (Path(spec), SHIPPED_DIR / spec, SHIPPED_DIR / f"{spec}.json"):
+        if cand.is_file():
+            return cand
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("*.json")))
+    raise ConfigError(f"--config {spec}: no such file (shipped configs: {shipped})")
+
+
+def load_ds_config(spec: str | None) -> tuple[Path, dict[str, Any]]:
+    path = config_path(spec)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a JSON object")
+    return path, raw
+
+
+def _fmt(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (bool, list, dict)) or v is None else str(v)
+
+
+def _own(section: dict[str, Any], key: str, value: Any, flag: str, where: str) -> None:
+    """Fill an owned key: 'auto'/absent -> value; an explicit different value -> error naming both."""
+    have = section.get(key, AUTO)
+    if have == AUTO:
+        section[key] = value
+        return
+    same = have == value
+    if isinstance(value, float) or isinstance(have, float):
+        try:
+            same = abs(float(have) - float(value)) <= 1e-12 * max(1.0, abs(float(value)))
+        except (TypeError, ValueError):
+            same = False
+    if isinstance(value, list) and isinstance(have, list):
+        same = len(have) == len(value) and all(abs(float(a) - float(b)) <= 1e-12 for a, b in zip(have, value))
+    if not same:
+        raise ConfigError(f"ds_config {where}{key}={_fmt(have)} conflicts with {flag}")
+
+
+def _check_keys(section: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in section:
+        if key not in allowed:
+            raise ConfigError(f"ds_config {where}{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def resolve_precision(t: TrainOptions, raw: dict[str, Any], device_type: str) -> str:
+    bf16 = raw.get("bf16", raw.get("bfloat16", {})).get("enabled", AUTO)
+    if (raw.get("fp16") or {}).get("enabled") not in (None, False, AUTO):
+        raise ConfigError("ds_config fp16.enabled=true: fp16 is not supported, use --precision bf16")
+    if t.precision == "auto":
+        if bf16 in (True, False):
+            return "bf16" if bf16 else "fp32"
+        import torch
+
+        return "bf16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if bf16 not in (AUTO, t.precision == "bf16"):
+        raise ConfigError(f"ds_config bf16.enabled={_fmt(bf16)} conflicts with --precision {t.precision}")
+    return t.precision
+
+
+def resolve_ds_config(
+    raw: dict[str, Any], t: TrainOptions, *, world_size: int, precision: str, hidden_size: int
+) -> dict[str, Any]:
+    """-> the config deepspeed.initialize gets. Raises ConfigError naming the offending key and value."""
+    ds = copy.deepcopy(raw)
+    zero = ds.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+        raise ConfigError(f"ds_config zero_optimization.stage={_fmt(stage)}: must be 0, 1, 2 or 3")
+    _check_parallelism(ds, stage)
+    dp = world_size
+
+    _own(
+        ds,
+        "train_micro_batch_size_per_gpu",
+        t.micro_batch_size,
+        f"--micro_batch_size {t.micro_batch_size}",
+        "",
+    )
+    ga = t.gradient_accumulation_steps
+    _own(ds, "gradient_accumulation_steps", ga, f"--gradient_accumulation_steps {ga}", "")
+    want = t.micro_batch_size * ga * dp
+    if ds.get("train_batch_size", AUTO) not in (AUTO, want):
+        raise ConfigError(
+            f"ds_config train_batch_size={_fmt(ds['train_batch_size'])} != --micro_batch_size {t.micro_batch_size}"
+            f" x --gradient_accumulation_steps {ga} x {dp} data-parallel ranks = {want}"
+        )
+    ds["train_batch_size"] = want
+    _own(ds, "gradient_clipping", float(t.clip_grad), f"--clip_grad {t.clip_grad}", "")
+
+    bf16 = ds.pop("bfloat16", None) or ds.setdefault("bf16", {})
+    ds["bf16"] = bf16
+    _check_keys(bf16, BF16_KEYS, "bf16.")
+    bf16["enabled"] = precision == "bf16"
+    ds.setdefault("fp16", {})["enabled"] = False
+
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    offload_param = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+    if offload_param and stage != 3:
+        raise ConfigError(f"ds_config zero_optimization.offload_param needs stage 3 (stage={stage})")
+    if offload_opt and stage == 0:
+        raise ConfigError("ds_config zero_optimization.offload_optimizer needs stage >= 1 (stage=0)")
+    _resolve_optimizer(ds, t, offload_opt)
+    _resolve_scheduler(ds, t)
+    _resolve_zero_autos(zero, hidden_size)
+    for sec in ("offload_param", "offload_optimizer"):
+        if isinstance(zero.get(sec), dict) and zero[sec].get("pin_memory") == AUTO:
+            import torch
+
+            zero[sec]["pin_memory"] = torch.cuda.is_available()
+    # dstrain prints its own progress; DeepSpeed's every-10-steps lines would interleave with it.
+    if ds.get("steps_per_print", AUTO) == AUTO:
+        ds["steps_per_print"] = 2**31 - 1
+    if t.nan_policy == "skip" and stage == 0:
+        raise ConfigError(
+            "--nan_policy skip needs zero_optimization.stage >= 1 (stage 0 cannot skip an update)"
+        )
+    _validate_with_deepspeed(ds)
+    _check_monitors(ds)
+    leftover = _find_auto(ds)
+    if leftover:
+        raise ConfigError(f"ds_config {leftover}='auto': dstrain does not fill this setting; give a value")
+    return ds
+
+
+def _check_parallelism(ds: dict[str, Any], stage: int) -> None:
+    pipe = ds.get("pipeline") or {}
+    stages = pipe.get("stages", AUTO) if isinstance(pipe, dict) else AUTO
+    if stages not in (AUTO, 1):
+        if stage >= 2:
+            raise ConfigError(
+                f"ds_config pipeline.stages={stages} with zero_optimization.stage={stage}: "
+                "DeepSpeed's pipeline engine supports ZeRO stage 0-1 only"
+            )
+        raise ConfigError(f"ds_config pipeline.stages={stages}: pipeline parallelism is not supported yet")
+    tp = ds.get("tensor_parallel") or {}
+    tp_size = tp.get("autotp_size", (tp.get("tp") or {}).get("tp_size", 1)) if isinstance(tp, dict) else 1
+    if tp_size not in (0, 1, None):
+        if stage == 3:
+            raise ConfigError(
+                f"ds_config tensor_parallel.autotp_size={tp_size} with zero_optimization.stage=3: "
+                "DeepSpeed AutoTP training supports ZeRO stage 0-2 only"
+            )
+        raise ConfigError(
+            f"ds_config tensor_parallel.autotp_size={tp_size}: tensor parallelism is not supported yet"
+        )
+    for key in ("moe", "expert_parallel"):
+        sec = ds.get(key)
+        if sec:
+            ep = sec.get("ep_size", sec) if isinstance(sec, dict) else sec
+            if stage == 3:
+                raise ConfigError(
+                    f"ds_config {key}={_fmt(ep)} with zero_optimization.stage=3: "
+                    "native DeepSpeed MoE (expert parallelism) does not support ZeRO-3"
+                )
+            raise ConfigError(f"ds_config {key}={_fmt(ep)}: expert parallelism is not supported yet")
+
+
+def _resolve_optimizer(ds: dict[str, Any], t: TrainOptions, offload_opt: bool) -> None:
+    opt = ds.setdefault("optimizer", {})
+    _check_keys(opt, {"type", "params"}, "optimizer.")
+    kind = opt.get("type", AUTO)
+    if kind not in (AUTO, "AdamW", "Adam"):
+        raise ConfigError(f"ds_config optimizer.type={kind}: dstrain trains with AdamW (type AdamW or auto)")
+    opt["type"] = "AdamW"
+    params = opt.setdefault("params", {})
+    _check_keys(params, OPTIMIZER_PARAMS, "optimizer.params.")
+    if params.get("adam_w_mode", True) is not True:
+        raise ConfigError("ds_config optimizer.params.adam_w_mode=false: dstrain trains with AdamW")
+    _own(params, "lr", float(t.lr), f"--lr {t.lr}", "optimizer.params.")
+    _own(
+        params,
+        "betas",
+        [t.adam_beta1, t.adam_beta2],
+        f"--adam_beta1 {t.adam_beta1} --adam_beta2 {t.adam_beta2}",
+        "optimizer.params.",
+    )
+    _own(params, "eps", float(t.adam_eps), f"--adam_eps {t.adam_eps}", "optimizer.params.")
+    _own(
+        params, "weight_decay", float(t.weight_decay), f"--weight_decay {t.weight_decay}", "optimizer.params."
+    )
+    # torch.optim.AdamW unless the optimizer runs on the CPU (offload): DeepSpeed's CPU Adam then. Its
+    # FusedAdam would need a CUDA compiler at run time for nothing torch's own AdamW does not do.
+    if params.get("torch_adam", AUTO) == AUTO:
+        params["torch_adam"] = not offload_opt
+    elif params["torch_adam"] and offload_opt:
+        raise ConfigError(
+            "ds_config optimizer.params.torch_adam=true with offload_optimizer: use DeepSpeed's CPU Adam"
+        )
+
+
+def _resolve_scheduler(ds: dict[str, Any], t: TrainOptions) -> None:
+    """dstrain builds the schedule itself (see schedule.py); this section only records it, and an explicit
+    value here must agree with the flags."""
+    sched = ds.get("scheduler")
+    if sched is None:
+        return
+    _check_keys(sched, {"type", "params"}, "scheduler.")
+    names = {v: k for k, v in DS_SCHEDULER_TYPES.items()}
+    kind = sched.get("type", AUTO)
+    if kind == AUTO:
+        kind = names[t.lr_schedule]
+    elif kind not in DS_SCHEDULER_TYPES:
+        raise ConfigError(
+            f"ds_config scheduler.type={kind}: choose from auto, {', '.join(DS_SCHEDULER_TYPES)}"
+        )
+    elif DS_SCHEDULER_TYPES[kind] != t.lr_schedule:
+        raise ConfigError(f"ds_config scheduler.type={kind} conflicts with --lr_schedule {t.lr_schedule}")
+    params = sched.setdefault("params", {})
+    if sched.get("type", AUTO) == AUTO:
+        # A type-agnostic section: keep the settings the chosen type has, drop the unset others.
+        _check_keys(params, set().union(*SCHEDULER_PARAMS.values()), "scheduler.params.")
+        for key in [k for k in params if k not in SCHEDULER_PARAMS[kind] and params[k] == AUTO]:
+            del params[key]
+    sched["type"] = kind
+    _check_keys(params, SCHEDULER_PARAMS[kind], "scheduler.params.")
+    low = min_lr(t)
+    values = {
+        "total_num_steps": (t.max_steps, f"--max_steps {t.max_steps}"),
+        "warmup_num_steps": (t.warmup_steps, f"--warmup_steps {t.warmup_steps}"),
+        "warmup_min_ratio": (0.0, "dstrain's warmup (from 0)"),
+        "cos_min_ratio": (low / t.lr, f"--min_lr {low} / --lr {t.lr}"),
+        "warmup_min_lr": (0.0, "dstrain's warmup (from 0)"),
+        "warmup_max_lr": (float(t.lr), f"--lr {t.lr}"),
+        "warmup_type": ("linear", "dstrain's linear warmup"),
+    }
+    for key in SCHEDULER_PARAMS[kind]:
+        value, flag = values[key]
+        _own(params, key, value, flag, "scheduler.params.")
+    if kind == "WarmupDecayLR" and low != 0:
+        raise ConfigError(
+            f"ds_config scheduler.type=WarmupDecayLR decays to 0, conflicts with --min_lr {low}"
+        )
+
+
+def _resolve_zero_autos(zero: dict[str, Any], hidden: int) -> None:
+    # The Hugging Face integration's conventions for these "auto" sizes (so HF-style configs work unchanged),
+    # with a floor of 16M elements: hidden^2 buckets of a small model would mean hundreds of tiny collectives.
+    bucket = max(hidden * hidden, 2**24)
+    autos = {
+        "reduce_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(0.9 * bucket),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+    for key, value in autos.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+
+
+def _validate_with_deepspeed(ds: dict[str, Any]) -> None:
+    """DeepSpeed's own pydantic models for the sections they cover: a typo fails here, not mid-initialize."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    for name, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config)):
+        try:
+            model(**ds.get(name, {}))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            value = err.get("input")
+            shown = f"={_fmt(value)}" if not isinstance(value, dict) else ""
+            raise ConfigError(f"ds_config {name}.{loc}{shown}: {err.get('msg', 'invalid')}") from None
+
+
+MONITOR_AUTOS = {
+    "tensorboard.output_path",
+    "tensorboard.job_name",
+    "csv_monitor.output_path",
+    "csv_monitor.job_name",
+}
+
+
+def _check_monitors(ds: dict[str, Any]) -> None:
+    import importlib.util
+
+    needs = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+    for key, package in needs.items():
+        sec = ds.get(key)
+        if isinstance(sec, dict) and sec.get("enabled") and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"ds_config {key}.enabled=true needs the {package} package (pip install {package})"
+            )
+
+
+def _find_auto(node: Any, path: str = "") -> str | None:
+    if node == AUTO and path not in MONITOR_AUTOS:
+        return path
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _find_auto(v, f"{path}.{k}" if path else k)
+            if found:
+                return found
+    return None
+
+
+def finalize_paths(ds: dict[str, Any], output_dir: str) -> None:
+    """Monitor sections with output_path 'auto' write under output_dir."""
+    for key in ("tensorboard", "csv_monitor"):
+        sec = ds.get(key)
+        if isinstance(sec, dict):
+            if sec.get("output_path", AUTO) == AUTO:
+                sec["output_path"] = os.path.join(output_dir, key)
+            if sec.get("job_name", AUTO) == AUTO:
+                sec["job_name"] = "dstrain"
+
+
+def write_resolved(ds: dict[str, Any], output_dir: str) -> str:
+    path = os.path.join(output_dir, "ds_config.resolved.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(ds, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,201 @@
+"""What rank 0 shows and records: metrics.jsonl, a progress bar (or plain lines off a terminal), wandb,
+DeepSpeed's monitors (TensorBoard/CSV), and MFU against a device peak."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name(); fp32 runs use TF32.
+GPU_PEAK_TFLOPS = [
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
+    ("V100", 125.0),
+    ("T4", 65.0),
+    ("MI300X", 1307.0),
+    ("MI250X", 383.0),
+]
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Achievable matmul TFLOP/s of this process's CPU threads: a cheap stand-in for a datasheet peak."""
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up (thread pool, kernel choice)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def device_peak_tflops(device: torch.device, precision: str, override: float | None) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the figure comes from)."""
+    if override:
+        return override, "--peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_TFLOPS:
+            if key in name:
+                return (peak if precision == "bf16" else peak / 2), f"table ({name})"
+        return float("nan"), f"unknown GPU {name!r}: pass --peak_tflops"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return measure_cpu_peak_tflops(dtype), "measured matmul"
+
+
+class Display:
+    """Rank 0's console: a tqdm bar on a terminal, one plain line every `log_every` steps otherwise."""
+
+    def __init__(self, total: int, start: int, log_every: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
+
+    def update(self, rec: dict[str, Any], eta_s: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(_short(rec), refresh=False)
+            self.bar.update(1)
+        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
+            print(f"step {rec['step']}/{self.total} {_short(rec)} eta {_fmt_eta(eta_s)}", flush=True)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _short(rec: dict[str, Any]) -> str:
+    mfu = rec.get("mfu")
+    parts = [
+        f"loss {rec['loss']:.4f}",
+        f"lr {rec['lr']:.2e}",
+        f"gnorm {rec['grad_norm']:.3f}" if rec.get("grad_norm") is not None else "gnorm -",
+        f"tok/s {rec['tokens_per_s']:.0f}",
+        f"mfu {100 * mfu:.1f}%" if mfu is not None and math.isfinite(mfu) else "mfu -",
+    ]
+    if rec.get("skipped"):
+        parts.append("SKIPPED (non-finite loss)")
+    return " ".join(parts)
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class MetricsSink:
+    """metrics.jsonl (one object per optimizer step), wandb and DeepSpeed monitors; rank 0 only."""
+
+    def __init__(self, output_dir: str, enabled: bool, start_step: int = 0, monitor: Any = None) -> None:
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.file = None
+        if enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            _truncate_after(self.path, start_step)
+            self.file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
+        self.monitor = (
+            monitor if enabled and monitor is not None and getattr(monitor, "enabled", False) else None
+        )
+        self.wandb = None
+
+    def start_wandb(
+        self, project: str, mode: str, name: str, run_id: str | None, config: dict[str, Any]
+    ) -> str:
+        """-> the run id (kept in checkpoints so a resumed run continues the same wandb run)."""
+        import wandb
+
+        run = wandb.init(
+            project=project,
+            mode=mode,
+            name=name,
+            id=run_id,
+            resume="allow",
+            config=config,
+            dir=os.path.dirname(self.path),
+        )
+        self.wandb = run
+        return run.id
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        flat = _flatten(rec)
+        if self.wandb is not None:
+            self.wandb.log(flat, step=rec["step"])
+        if self.monitor is not None:
+            self.monitor.write_events(
+                [(f"Train/{k}", v, rec["step"]) for k, v in flat.items() if k != "step"]
+            )
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep the records of steps <= step: a resumed run re-logs the steps after its checkpoint."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
