@@ -7,12 +7,11 @@ uses it too).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 from dataclasses import dataclass
-from functools import cache
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Literal, get_args, get_type_hints
+
+from dstrain.fields import base_type, converter, field_docs
 
 
 class DataError(ValueError):
@@ -112,22 +111,9 @@ class DataOptions:
             need(isinstance(getattr(self, name), bool), f"{name} must be true or false")
 
 
-@cache
 def field_help() -> dict[str, str]:
-    """Field name -> its docstring, one line (read from this module's source)."""
-    tree = ast.parse(inspect.getsource(DataOptions))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    out: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            out[node.target.id] = " ".join(nxt.value.value.split())
-    return out
+    """Field name -> its docstring, one line."""
+    return field_docs(DataOptions)
 
 
 def add_arguments(parser) -> None:
@@ -137,13 +123,16 @@ def add_arguments(parser) -> None:
     helps, hints = field_help(), get_type_hints(DataOptions)
     for f in dataclasses.fields(DataOptions):
         flag, default, text = f"--{f.name}", f.default, helps.get(f.name, "")
-        if isinstance(default, bool):
+        tp, choices, _ = base_type(hints[f.name])
+        if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
             continue
-        kind = int if isinstance(default, int) else str
-        choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
         parser.add_argument(
-            flag, type=kind, default=default, choices=choices, help=f"{text} (default: {default})"
+            flag,
+            type=converter(tp, f.name),
+            default=default,
+            choices=choices,
+            help=f"{text} (default: {default})",
         )
 
 

@@ -7,8 +7,6 @@ token's experts run as one GEMM per expert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -243,16 +241,31 @@ class MTPLayer(nn.Module):
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-@dataclass
-class ModelOutput:
-    logits: torch.Tensor | None = None
-    loss: torch.Tensor | None = None
-    lm_loss_sum: torch.Tensor | None = None
-    lm_tokens: torch.Tensor | None = None
-    mtp_loss_sum: torch.Tensor | None = None
-    mtp_tokens: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    expert_load: torch.Tensor | None = None
+class ModelOutput(dict):
+    """The forward's results, as a dict with attribute access: ZeRO-3's hooks find tensors inside dicts (not
+    inside dataclasses). Fields: logits, loss, lm_loss_sum, lm_tokens, mtp_loss_sum, mtp_tokens, aux_loss,
+    expert_load; an unset field reads as None."""
+
+    FIELDS = (
+        "logits",
+        "loss",
+        "lm_loss_sum",
+        "lm_tokens",
+        "mtp_loss_sum",
+        "mtp_tokens",
+        "aux_loss",
+        "expert_load",
+    )
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if name in ModelOutput.FIELDS:
+            return self.get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value) -> None:  # noqa: ANN001
+        if name not in ModelOutput.FIELDS:
+            raise AttributeError(f"ModelOutput has no field {name!r}")
+        self[name] = value
 
 
 def target_mask(labels: torch.Tensor, position_ids: torch.Tensor | None, shift: int) -> torch.Tensor:

@@ -27,10 +27,6 @@ def _rank_env() -> int:
     return 0
 
 
-def _zero3_output_warning(record: logging.LogRecord) -> bool:
-    return "unknown inputs or outputs type" not in record.getMessage()
-
-
 def quiet_libraries(debug: bool, rank: int) -> None:
     """DeepSpeed logs at INFO and torch warns about its own deprecations on every rank; users see dstrain's
     lines (rank 0) unless --debug."""
@@ -39,12 +35,6 @@ def quiet_libraries(debug: bool, rank: int) -> None:
     level = logging.WARNING if rank == 0 else logging.ERROR
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(level)
-    # ZeRO-3 cannot see tensors inside the model's ModelOutput dataclass and says its top-level backward hooks
-    # "may not get triggered": the per-layer hooks do the work (the multi-rank tests check ZeRO-3 against a
-    # plain PyTorch run), so the warning is noise here.
-    ds_logger = logging.getLogger("DeepSpeed")
-    if _zero3_output_warning not in ds_logger.filters:
-        ds_logger.addFilter(_zero3_output_warning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
     warnings.filterwarnings("ignore", message=".*TORCH_CUDA_ARCH_LIST.*")

@@ -8,16 +8,14 @@ dataclass default < recipe file (`--recipe x.toml`) < command-line flag.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import os
 import sys
-import textwrap
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from dstrain.fields import base_type, converter, field_docs
 
 from .errors import ConfigError
 
@@ -112,69 +110,9 @@ class Options:
     """Names set by a flag or by the recipe (not left at their default)."""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring literal written under it, for cls and its dataclass bases."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("help"):
-            docs[f.name] = f.metadata["help"]
-    return docs
-
-
-def _base_type(tp: Any) -> tuple[Any, tuple[Any, ...] | None, bool]:
-    """-> (python type, Literal choices or None, optional?) of a resolved annotation."""
-    optional = False
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        tp = args[0] if len(args) == 1 else str
-        origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        return type(choices[0]), choices, optional
-    return tp, None, optional
-
-
-def _converter(tp: Any, name: str):  # noqa: ANN202
-    if tp is bool:
-
-        def to_bool(v: Any) -> bool:
-            if isinstance(v, bool):
-                return v
-            s = str(v).lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{name}={v!r}: expected true or false")
-
-        return to_bool
-    if tp in (int, float, str):
-        return tp
-    return lambda v: v
-
-
 def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     hints = typing.get_type_hints(cls)
-    tp, choices, optional = _base_type(hints[name])
+    tp, choices, optional = base_type(hints[name])
     if value is None and optional:
         return None
     try:
@@ -182,7 +120,7 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
             raise ValueError
         if tp is int and isinstance(value, bool):
             raise ValueError
-        out = _converter(tp, name)(value)
+        out = converter(tp, name)(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source} {name}={value!r}: expected {getattr(tp, '__name__', tp)}") from exc
     if choices is not None and out not in choices:
@@ -214,7 +152,7 @@ def build_parser(data_cls: type | None = None) -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             if title == "data" and f.name in _train_names():
                 continue
-            tp, choices, _ = _base_type(hints[f.name])
+            tp, choices, _ = base_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else None
             if title == "data":
                 default = DATA_DEFAULTS.get(f.name, default)
@@ -227,7 +165,7 @@ def build_parser(data_cls: type | None = None) -> argparse.ArgumentParser:
             if tp is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
-                kw["type"] = _converter(tp, f.name)
+                kw["type"] = converter(tp, f.name)
                 kw["metavar"] = f.name.upper()
                 if choices:
                     kw["choices"] = choices
