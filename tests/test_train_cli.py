@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_train_support import ROOT
+from test_train_support import ROOT, free_port
 
 pytestmark = pytest.mark.multirank
 REQUIRED = {
@@ -33,15 +33,14 @@ def _run(cmd: list[str], timeout: int = 420) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _deepspeed(port: int, args: list[str]) -> subprocess.CompletedProcess:
+def _deepspeed(args: list[str]) -> subprocess.CompletedProcess:
     exe = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return _run([exe, "--num_gpus", "2", "--master_port", str(port), "dstrain/train.py", *args])
+    return _run([exe, "--num_gpus", "2", "--master_port", str(free_port()), "dstrain/train.py", *args])
 
 
 def test_default_command_with_deepspeed_launcher(tmp_path):
     out = tmp_path / "run"
     proc = _deepspeed(
-        29751,
         [
             "--config",
             "ds_configs/zero1.json",
@@ -136,7 +135,7 @@ def test_config_error_under_launcher_is_one_line(tmp_path):
     raw = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     raw["train_batch_size"] = 4
     cfg.write_text(json.dumps(raw))
-    proc = _deepspeed(29752, ["--config", str(cfg), "--micro_batch_size", "4"])
+    proc = _deepspeed(["--config", str(cfg), "--micro_batch_size", "4"])
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Traceback" not in text

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("multirank")
-    proc = launch(["tests/test_train_support.py", "main", str(out)], port=29741, timeout=600)
+    proc = launch(["tests/test_train_support.py", "main", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((out / f"result_main_rank{r}.json").read_text()) for r in range(2)]
     return out, ranks
@@ -101,13 +101,13 @@ def test_killed_during_save_resumes_from_previous(runs, tmp_path):
     _, (r0, _) = runs
     straight = [x["loss"] for x in r0["z1_straight"]]
     env = {"DSTRAIN_TEST_KILL_DURING_SAVE": "6"}
-    first = launch(["tests/test_train_support.py", "kill", str(tmp_path)], port=29742, env=env, timeout=300)
+    first = launch(["tests/test_train_support.py", "kill", str(tmp_path)], env=env, timeout=300)
     assert first.returncode != 0
     ckpts = tmp_path / "killed" / "checkpoints"
     assert (ckpts / "step_00000003" / "COMPLETE").is_file()
     assert (ckpts / "step_00000006").is_dir() and not (ckpts / "step_00000006" / "COMPLETE").exists()
     assert (ckpts / "latest").read_text() == "step_00000003"
-    second = launch(["tests/test_train_support.py", "kill", str(tmp_path)], port=29743, timeout=300)
+    second = launch(["tests/test_train_support.py", "kill", str(tmp_path)], timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     res = json.loads((tmp_path / "result_kill_rank0.json").read_text())
     assert res["start_step"] == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -135,10 +136,22 @@ def reference_run(cfg, opts, steps: int, global_batch: int) -> list[dict[str, fl
     return out_recs
 
 
+def free_port() -> int:
+    """A port nobody listens on now, so concurrent test runs never collide on a fixed master port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(
-    args: list[str], nproc: int = 2, port: int = 29731, env: dict[str, str] | None = None, timeout: int = 300
+    args: list[str],
+    nproc: int = 2,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: int = 300,
 ) -> subprocess.CompletedProcess:
     """torchrun with a bounded time; OMP_NUM_THREADS=1 so two ranks share two cores."""
+    port = port or free_port()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
     cmd = [
         sys.executable,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import numpy as np
@@ -376,3 +377,30 @@ def test_shipped_recipes_parse_and_resolve():
         assert (
             ds["train_batch_size"] == opts.train.micro_batch_size * opts.train.gradient_accumulation_steps * 8
         )
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_deepspeed_checkpoints_load_weights_only(tmp_path):
+    """Resume reads DeepSpeed's files with the weights-only unpickler: DeepSpeed's state classes load, a
+    pickle that would run code is refused."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from dstrain.training.checkpoint import install_safe_loading
+
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    install_safe_loading(engine)
+    assert type(engine.checkpoint_engine).__name__ == "SafeCheckpointEngine"
+    good = {"zero_stage": ZeroStageEnum.weights, "t": torch.ones(2)}
+    torch.save(good, tmp_path / "good.pt")
+    loaded = engine.checkpoint_engine.load(str(tmp_path / "good.pt"))
+    assert loaded["zero_stage"] == ZeroStageEnum.weights and torch.equal(loaded["t"], torch.ones(2))
+    torch.save({"x": _Boom()}, tmp_path / "bad.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        engine.checkpoint_engine.load(str(tmp_path / "bad.pt"))

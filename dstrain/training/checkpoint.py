@@ -5,9 +5,10 @@ once every rank has finished writing, a COMPLETE marker (JSON: step, world size,
 written by rank 0 after a barrier; only then does rank 0 point `latest` at it. A folder without a valid
 marker is never resumed from, so a crash mid-save leaves the previous checkpoint in charge.
 
-Trust: dstrain's own state is JSON (never unpickled), but DeepSpeed's load_checkpoint reads its files with
-torch.load(weights_only=False) (its state holds optimizer and config objects), i.e. it unpickles: resume only
-checkpoints you or your jobs wrote. dstrain loads none without a COMPLETE marker whose file sizes all match.
+Trust: dstrain's own state is JSON (never unpickled). DeepSpeed's files are read through `SafeCheckpointEngine`:
+torch's weights-only unpickler, admitting tensors, containers and primitives plus three plain DeepSpeed state
+classes, so a tampered checkpoint cannot run code. dstrain loads none without a COMPLETE marker whose file
+sizes all match.
 """
 
 from __future__ import annotations
@@ -170,6 +171,31 @@ def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
 
 
 # ------------------------------------------------------------------ save / load
+def _deepspeed_state_classes() -> list[type]:
+    """The non-tensor objects DeepSpeed 0.19 puts in its ZeRO 1/2/3 (fp32, bf16) checkpoints."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def install_safe_loading(engine: Any) -> None:
+    """Replace DeepSpeed's default checkpoint engine (a full unpickler: it can run code) by one that
+    loads weights-only. Saving is unchanged."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):  # noqa: ANN001, ANN202 - DeepSpeed's signature
+            with torch.serialization.safe_globals(_deepspeed_state_classes()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        safe = SafeCheckpointEngine.__new__(SafeCheckpointEngine)
+        safe.__dict__.update(engine.checkpoint_engine.__dict__)
+        engine.checkpoint_engine = safe
+
+
 def save(engine: Any, output_dir: str, step: int, state: dict[str, Any], keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder (complete on return)."""
     root = checkpoint_root(output_dir)

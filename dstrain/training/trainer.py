@@ -117,6 +117,7 @@ class Trainer:
             dist_init_required=False,
         )
         self.model = self.engine.module
+        checkpoint.install_safe_loading(self.engine)
         self._keep_expert_bias_fp32()
         if self.resume_path is not None:
             self._resume(self.resume_path)
