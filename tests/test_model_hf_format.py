@@ -162,3 +162,18 @@ def test_expert_bias_stays_fp32_under_bf16_cast():
     assert r.e_score_correction_bias.dtype == torch.float32 and r.e_score_correction_bias[
         0
     ].item() == pytest.approx(1e-4 + 1e-7, rel=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3"])
+def test_config_json_round_trip(preset):
+    """config.json written by dstrain reads back to the same architecture (checkpoints rely on it)."""
+    import dataclasses
+
+    from dstrain.model import ModelConfig
+    from dstrain.model.config import TRAINING_FIELDS
+
+    cfg = get_config(preset)
+    back = ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict())))
+    for f in dataclasses.fields(cfg):
+        if f.name not in ("extra", *TRAINING_FIELDS):
+            assert getattr(back, f.name) == getattr(cfg, f.name), f.name

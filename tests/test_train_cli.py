@@ -11,6 +11,8 @@ import sys
 import pytest
 from test_train_support import ROOT, free_port
 
+from dstrain.model import ModelConfig
+
 pytestmark = pytest.mark.multirank
 REQUIRED = {
     "step",
@@ -90,6 +92,19 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
     proc = _run([*train, "--config", str(cfg), "--max_steps", "0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+    # The checkpoint describes its model: the HF config of the tiny preset, readable by get_config.
+    from dstrain.model import get_config
+
+    saved = ModelConfig.from_hf_dict(
+        json.loads((out / "checkpoints" / "step_00000000" / "config.json").read_text())
+    )
+    want = get_config("tiny")
+    assert (saved.hidden_size, saved.num_hidden_layers, saved.num_nextn_predict_layers, saved.vocab_size) == (
+        want.hidden_size,
+        want.num_hidden_layers,
+        want.num_nextn_predict_layers,
+        want.vocab_size,
+    )
     assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""
     again = _run([*train, "--config", str(cfg), "--max_steps", "2"])
     assert again.returncode == 2 and "already holds checkpoints: pass --resume auto" in again.stderr

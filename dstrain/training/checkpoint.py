@@ -196,8 +196,19 @@ def install_safe_loading(engine: Any) -> None:
         engine.checkpoint_engine = safe
 
 
-def save(engine: Any, output_dir: str, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder (complete on return)."""
+MODEL_CONFIG = "config.json"
+
+
+def save(
+    engine: Any,
+    output_dir: str,
+    step: int,
+    state: dict[str, Any],
+    keep_last: int,
+    model_config: dict[str, Any] | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder (complete on return). `model_config`
+    (the model's HF config.json content) is written beside the weights so a checkpoint describes itself."""
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
     path = root / tag
@@ -211,6 +222,8 @@ def save(engine: Any, output_dir: str, step: int, state: dict[str, Any], keep_la
     engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
     (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
     _write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
+    if rank == 0 and model_config is not None:
+        _write_json(path / MODEL_CONFIG, model_config)
     if os.environ.get(KILL_ENV) == str(step) and rank == min(1, world - 1):
         os.kill(os.getpid(), signal.SIGKILL)  # test hook: die after writing, before the marker
     dist.barrier()

@@ -289,7 +289,9 @@ class Trainer:
         }
 
     def save(self) -> str:
-        path = checkpoint.save(self.engine, self.output_dir, self.step, self.state(), self.t.keep_last)
+        path = checkpoint.save(
+            self.engine, self.output_dir, self.step, self.state(), self.t.keep_last, self.cfg.to_hf_dict()
+        )
         return str(path)
 
     def run(self, until: int | None = None) -> dict[str, Any]:
