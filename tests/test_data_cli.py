@@ -10,7 +10,7 @@ import pytest
 from dstrain.data import DataOptions, field_help, load_tokenizer
 from dstrain.data.cli import main
 from dstrain.data.options import add_arguments, from_args
-from dstrain.data.testing import byte_tokenizer, chat_rows, text_rows, write_jsonl
+from dstrain.data.testing import byte_tokenizer, chat_rows, text_rows, varied_chats, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +86,7 @@ def test_audit_rejects_a_chat_without_assistant_turn(tmp_path, tok_dir, capsys):
 
 
 def test_stats_reports_counts_fill_and_speed(tmp_path, tok_dir, capsys):
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"q{i}"},
-                {"role": "assistant", "content": "ab " * ((i * 37) % 61)},
-            ]
-        }
-        for i in range(120)
-    ]
+    rows = varied_chats(120)
     path = write_jsonl(tmp_path / "c.jsonl", rows)
     assert main(["stats", "--data", path, "--tokenizer", tok_dir, "--seq_len", "512", "--rounds", "1"]) == 0
     stats = json.loads(capsys.readouterr().out)

@@ -6,7 +6,7 @@ import torch
 
 from dstrain.data import DataOptions, build_loader
 from dstrain.data.packing import best_fit_decreasing
-from dstrain.data.testing import byte_tokenizer, chat_rows, text_rows, write_jsonl
+from dstrain.data.testing import byte_tokenizer, chat_rows, text_rows, varied_chats, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +91,7 @@ def test_best_fit_decreasing_places_every_item_once_within_capacity():
 
 
 def test_sft_rows_hold_whole_samples_and_fill_99_percent(tmp_path, tok):
-    # replies of 0..60 words: a spread of sample lengths (12-200 tokens), as real chat data has
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"q{i}"},
-                {"role": "assistant", "content": "ab " * ((i * 37) % 61)},
-            ]
-        }
-        for i in range(200)
-    ]
+    rows = varied_chats(200)
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     opts = DataOptions(data=path, seq_len=512, num_workers=0, pack_buffer=200, shuffle_buffer=50)
     loader = build_loader(opts, tok, 4, seed=5)

@@ -210,3 +210,24 @@ def test_activation_checkpointing_gives_same_gradients():
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**SMALL, **bad})
+
+
+def test_bf16_kernels_match_fp32_within_bf16_precision():
+    """The CPU bf16 policy (fp32 compute, bf16 outputs) is a bf16 GEMM with fp32 accumulation: equal to fp32
+    compute rounded once, close to native bf16; a whole bf16 model tracks the fp32 one."""
+    from dstrain.model.kernels import linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(48, 96, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got = linear(xb, wb)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(xb.float(), wb.float()).bfloat16())
+    assert (got.float() - F.linear(xb, wb).float()).abs().max() <= 0.02 * F.linear(x, w).abs().max()
+    ids = torch.randint(0, 97, (2, 24), generator=g)
+    fp32 = tiny()
+    bf16 = tiny().to(torch.bfloat16)
+    with torch.no_grad():
+        ref, out = fp32(ids).logits, bf16(ids).logits.float()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()

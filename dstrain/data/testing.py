@@ -82,3 +82,16 @@ def chat_rows(n: int, turns: int = 2, style: str = "openai") -> list[dict]:
                 {"conversations": [{"from": "human" if r == "user" else "gpt", "value": c} for r, c in msgs]}
             )
     return rows
+
+
+def varied_chats(n: int) -> list[dict]:
+    """`n` one-turn chats whose replies run 0..60 words: the spread of sample lengths real chat data has."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": "ab " * ((i * 37) % 61)},
+            ]
+        }
+        for i in range(n)
+    ]

@@ -223,17 +223,17 @@ class ModelConfig:
             mtp_hf = d.pop("num_mtp_layers", None)  # transformers' attribute name for the same thing
             kwargs["num_nextn_predict_layers"] = int(mtp if mtp is not None else (mtp_hf or 0))
             d.pop("scoring_func", None)
-        for flag_key in ("moe_layer_freq",):
-            if d.get(flag_key, 1) != 1:
-                raise ValueError(
-                    f"config.json {flag_key}={d[flag_key]}: only 1 (every layer past the dense ones) is supported"
-                )
+        if d.get("moe_layer_freq", 1) != 1:
+            raise ValueError(
+                f"config.json moe_layer_freq={d['moe_layer_freq']}: only 1 (every layer past the dense ones) is supported"
+            )
         extra: dict[str, Any] = {}
         for key, value in d.items():
             if key in names and key not in kwargs:
                 kwargs[key] = value
             elif key not in kwargs:
                 extra[key] = value
+        # A config without routed experts describes a dense model (not the dataclass default of 8).
         if kwargs.get("n_routed_experts") is None:
             kwargs["n_routed_experts"] = None
         for key in (

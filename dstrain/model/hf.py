@@ -9,7 +9,6 @@ and head; this table is the only place that knows both.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -19,8 +18,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 # HF key (after `model.` for per-layer keys) -> dstrain key. Per-layer keys not listed map unchanged.
 GLOBAL_KEYS: dict[str, str] = {
@@ -46,6 +43,8 @@ EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", None),
 }
+GLOBAL_KEYS_INV = {v: k for k, v in GLOBAL_KEYS.items()}
+MTP_KEYS_INV = {v: k for k, v in MTP_KEYS.items()}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED = re.compile(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -93,20 +92,18 @@ def hf_to_dstrain(hf_key: str, cfg: ModelConfig) -> Target:
 
 def dstrain_to_hf(key: str, cfg: ModelConfig) -> list[str]:
     """The HF keys a dstrain tensor is written as (several for fused experts, in expert order)."""
-    inverse = {v: k for k, v in GLOBAL_KEYS.items()}
-    if key in inverse:
+    if key in GLOBAL_KEYS_INV:
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             return []
-        return [inverse[key]]
+        return [GLOBAL_KEYS_INV[key]]
     if key.startswith("layers."):
         layer, rest = key[len("layers.") :].split(".", 1)
         prefix = f"model.layers.{layer}."
     elif key.startswith("mtp."):
         k, rest = key[len("mtp.") :].split(".", 1)
         prefix = f"model.layers.{cfg.num_hidden_layers + int(k)}."
-        inv_mtp = {v: hk for hk, v in MTP_KEYS.items()}
-        if rest in inv_mtp:
-            return [prefix + inv_mtp[rest]]
+        if rest in MTP_KEYS_INV:
+            return [prefix + MTP_KEYS_INV[rest]]
         if not rest.startswith("block."):
             raise KeyError(key)
         rest = rest[len("block.") :]

@@ -118,19 +118,10 @@ class Trainer:
         )
         self.model = self.engine.module
         checkpoint.install_safe_loading(self.engine)
-        self._keep_expert_bias_fp32()
         if self.resume_path is not None:
             self._resume(self.resume_path)
         self.mtp_depth = int(self.cfg.num_nextn_predict_layers)
         self.weights = Weights(alpha=float(self.cfg.aux_loss_alpha), lam=float(self.cfg.mtp_loss_weight))
-
-    def _keep_expert_bias_fp32(self) -> None:
-        # DeepSpeed's bf16 mode calls module.bfloat16(); the balancing bias moves by ~1e-3 per step and must
-        # not be rounded to bf16 (the model's Router guards this too; checked here because it matters).
-        for name, buf in self.model.named_buffers():
-            if name.endswith("e_score_correction_bias") and buf.dtype != torch.float32:
-                owner = self.model.get_submodule(name.rsplit(".", 1)[0])
-                setattr(owner, name.rsplit(".", 1)[1], buf.float())
 
     def _build_loader(self) -> tuple[Any, Any]:
         from dstrain.data import build_loader, load_tokenizer
