@@ -98,7 +98,9 @@ def make_options(extra: list[str]):
     return parse_options(["--seq_len", str(SEQ), "--warmup_steps", "2", "--lr", "3e-3", *extra], DataOptions)
 
 
-def reference_run(cfg, opts, steps: int, global_batch: int) -> list[dict[str, float]]:
+def reference_run(
+    cfg, opts, steps: int, global_batch: int, state: dict | None = None
+) -> list[dict[str, float]]:
     """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective."""
     from dstrain.model import build_model
     from dstrain.training.objective import Weights, count_targets, micro_loss
@@ -131,6 +133,8 @@ def reference_run(cfg, opts, steps: int, global_batch: int) -> list[dict[str, fl
         sched.step()
         model.update_expert_bias(out.expert_load)
         out_recs.append({"loss": float(loss.detach()), "grad_norm": float(norm)})
+    if state is not None:  # the final weights, for callers comparing parameters
+        state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     bias = [r.e_score_correction_bias.tolist() for r in model.routers()]
     out_recs[-1]["bias"] = bias
     return out_recs

@@ -165,18 +165,34 @@ class Experts(nn.Module):
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        xs = x[order // k]
-        # unbind, not `param[e]`: each indexing op would allocate a whole-tensor zero gradient in backward.
-        # Likewise split (not slice) the sorted tokens.
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        outs = []
-        for e, chunk in enumerate(xs.split(counts)):
-            if chunk.shape[0]:
-                gate, up = linear(chunk, gate_up[e]).chunk(2, dim=-1)
-                outs.append(linear(F.silu(gate) * up, down[e]))
-        ys = torch.cat(outs)
-        y = torch.empty_like(ys).index_copy(0, order, ys).view(n, k, -1)
-        return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        ys = expert_ffn(x[order // k], counts, self.gate_up_proj, self.down_proj)
+        return combine_experts(ys, order, weights, x.dtype)
+
+
+def expert_ffn(
+    xs: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    """Rows of `xs` sorted by expert, counts[e] rows for expert e -> each row through its expert's SwiGLU."""
+    # unbind, not `param[e]`: each indexing op would allocate a whole-tensor zero gradient in backward.
+    # Likewise split (not slice) the sorted tokens.
+    gate_up, down = gate_up_proj.unbind(0), down_proj.unbind(0)
+    outs = []
+    for e, chunk in enumerate(xs.split(counts)):
+        if chunk.shape[0]:
+            gate, up = linear(chunk, gate_up[e]).chunk(2, dim=-1)
+            outs.append(linear(F.silu(gate) * up, down[e]))
+    if not outs:  # no rows (possible on an expert-parallel rank): keep the weights in the graph
+        return xs.new_zeros((0, down_proj.shape[1])) + 0 * (gate_up_proj.sum() + down_proj.sum()).to(xs.dtype)
+    return torch.cat(outs)
+
+
+def combine_experts(
+    ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """ys: expert outputs of the (token, slot) pairs in `order` -> (N, D) routing-weighted sum per token."""
+    n, k = weights.shape
+    y = torch.empty_like(ys).index_copy(0, order, ys).view(n, k, -1)
+    return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
 class MoE(nn.Module):
@@ -380,22 +396,51 @@ class DeepSeekLM(nn.Module):
     ) -> ModelOutput:
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document; labels (B, T) unshifted,
         -100 = not a target. Logits are returned when there are no labels (or when asked)."""
-        cfg = self.config
         b, t = input_ids.shape
-        layout = attention_layout(position_ids, b, t, input_ids.device)
-        pos = (
-            position_ids
-            if position_ids is not None
-            else torch.arange(t, device=input_ids.device).expand(b, t)
-        )
-        rope = self._rope(pos)
+        rope, layout = self.rope_and_layout(position_ids, b, t, input_ids.device)
         h = self.embed_tokens(input_ids)
-        aux_terms, loads = [], []
+        aux_terms: list[torch.Tensor] = []
+        loads: list[torch.Tensor] = []
         for block in self.layers:
-            h, aux, load = self._block(block, h, rope, layout)
-            if aux is not None:
-                aux_terms.append(aux)
-                loads.append(load)
+            h = self.run_block(block, h, rope, layout, aux_terms, loads)
+
+        # Input of MTP depth k at position i is token i+k; the last k positions have none (masked targets).
+        def ahead(k: int) -> torch.Tensor:
+            return self.embed_tokens(F.pad(input_ids[:, k:], (0, k)))
+
+        return self.finish(h, ahead, rope, layout, position_ids, labels, aux_terms, loads, return_logits)
+
+    def rope_and_layout(
+        self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionLayout]:
+        layout = attention_layout(position_ids, b, t, device)
+        pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
+        return self._rope(pos), layout
+
+    def run_block(self, block: Block, h, rope, layout, aux_terms: list, loads: list) -> torch.Tensor:  # noqa: ANN001
+        """One block; its MoE balance loss and expert load (if any) are appended to the lists."""
+        h, aux, load = self._block(block, h, rope, layout)
+        if aux is not None:
+            aux_terms.append(aux)
+            loads.append(load)
+        return h
+
+    def finish(
+        self,
+        h: torch.Tensor,
+        ahead,  # noqa: ANN001 - k -> embeddings of the tokens k ahead (B, T, D)
+        rope: tuple[torch.Tensor, torch.Tensor],
+        layout: AttentionLayout,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        aux_terms: list[torch.Tensor],
+        loads: list[torch.Tensor],
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """Final norm, head, losses and the MTP depths, from the last block's output `h` (the pipeline's last
+        stage calls this too)."""
+        cfg = self.config
+        t = h.shape[1]
         main_hidden = self.norm(h)
         out = ModelOutput()
         if return_logits or (return_logits is None and labels is None):
@@ -409,13 +454,8 @@ class DeepSeekLM(nn.Module):
             sums, counts = [], []
             prev = main_hidden
             for k, mtp in enumerate(self.mtp, start=1):
-                # Input at position i is token i+k; the last k positions have none (their targets are masked).
-                ahead = F.pad(input_ids[:, k:], (0, k))
-                x = mtp.eh_proj(torch.cat([mtp.enorm(self.embed_tokens(ahead)), mtp.hnorm(prev)], dim=-1))
-                prev, aux, load = self._block(mtp.block, x, rope, layout)
-                if aux is not None:
-                    aux_terms.append(aux)
-                    loads.append(load)
+                x = mtp.eh_proj(torch.cat([mtp.enorm(ahead(k)), mtp.hnorm(prev)], dim=-1))
+                prev = self.run_block(mtp.block, x, rope, layout, aux_terms, loads)
                 shift = k + 1
                 if t > shift:
                     s, c = self._ce_sum(

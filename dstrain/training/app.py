@@ -14,8 +14,15 @@ from pathlib import Path
 from dstrain.data import DataError
 
 from . import checkpoint, dist
-from .ds_config import finalize_paths, load_ds_config, resolve_ds_config, resolve_precision, write_resolved
-from .errors import CheckpointError, UserError
+from .ds_config import (
+    finalize_paths,
+    load_ds_config,
+    parallel_dims,
+    resolve_ds_config,
+    resolve_precision,
+    write_resolved,
+)
+from .errors import CheckpointError, ConfigError, UserError
 from .options import Options, parse_options
 from .trainer import Trainer, model_config_for
 
@@ -51,6 +58,12 @@ def validate(argv: list[str]) -> tuple[Options, dict, str]:
     ds = resolve_ds_config(
         raw, opts.train, world_size=world, precision=precision, hidden_size=cfg.hidden_size
     )
+    zero = ds["zero_optimization"]
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    try:
+        parallel_dims(ds, world).validate(cfg, int(zero.get("stage", 0)), offload=offload)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return opts, ds, precision
 
 

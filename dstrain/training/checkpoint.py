@@ -14,6 +14,7 @@ sizes all match.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -21,6 +22,7 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +208,9 @@ def save(
     state: dict[str, Any],
     keep_last: int,
     model_config: dict[str, Any] | None = None,
+    *,
+    model: Any = None,
+    groups: Any = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder (complete on return). `model_config`
     (the model's HF config.json content) is written beside the weights so a checkpoint describes itself."""
@@ -219,7 +224,12 @@ def save(
             (path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(path)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
+    with _plain_module_files(engine):
+        engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
+    if model is not None:
+        from .weights import save_weights
+
+        save_weights(model, path, rank=rank, groups=groups)
     (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
     _write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
     if rank == 0 and model_config is not None:
@@ -245,6 +255,20 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _plain_module_files(engine: Any) -> Iterator[None]:
+    """dstrain's expert-parallel experts are DeepSpeed MoE modules in type only (so ZeRO reduces them over the
+    expert-data-parallel group); DeepSpeed's MoE checkpoint code expects its own expert naming. Save and load
+    the module like any other: every rank's experts are restored from its own ZeRO partition of the fp32
+    master weights, and `weights/` holds them all for export."""
+    had = getattr(engine, "has_moe_layers", False)
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had
+
+
 def load(engine: Any, path: Path, rank: int, world_size: int) -> dict[str, Any]:
     info = read_marker(path)
     if int(info["world_size"]) != world_size:
@@ -257,9 +281,10 @@ def load(engine: Any, path: Path, rank: int, world_size: int) -> dict[str, Any]:
         state = json.loads(state_file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read {state_file.name} ({exc})") from None
-    load_path, _ = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with _plain_module_files(engine):
+        load_path, _ = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if load_path is None:
         raise CheckpointError(f"checkpoint {path}: DeepSpeed could not load it")
     return state

@@ -8,11 +8,14 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .options import TrainOptions, min_lr
 from .schedule import DS_SCHEDULER_TYPES
+
+if TYPE_CHECKING:
+    from dstrain.parallel import ParallelDims
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 AUTO = "auto"
@@ -110,8 +113,8 @@ def resolve_ds_config(
     stage = zero.get("stage", 0)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
         raise ConfigError(f"ds_config zero_optimization.stage={_fmt(stage)}: must be 0, 1, 2 or 3")
-    _check_parallelism(ds, stage)
-    dp = world_size
+    dims = _check_parallelism(ds, t, stage, world_size)
+    dp = dims.dp
 
     _own(
         ds,
@@ -166,37 +169,78 @@ def resolve_ds_config(
     return ds
 
 
-def _check_parallelism(ds: dict[str, Any], stage: int) -> None:
-    pipe = ds.get("pipeline") or {}
-    stages = pipe.get("stages", AUTO) if isinstance(pipe, dict) else AUTO
-    if stages not in (AUTO, 1):
-        if stage >= 2:
+def _check_parallelism(ds: dict[str, Any], t: TrainOptions, stage: int, world_size: int) -> ParallelDims:
+    """Fill pipeline.stages / tensor_parallel.tp_size / expert_parallel.ep_size from --pp/--tp/--ep (the flag
+    wins over "auto" or absence; an explicit different value is an error) and check the layout. dstrain does
+    tensor and expert parallelism itself: DeepSpeed's AutoTP/AutoEP sections are refused (AutoTP gets MLA's
+    gradients wrong; AutoEP cannot balance with the expert bias)."""
+    from dstrain.parallel import ParallelDims
+
+    if ds.get("moe"):
+        raise ConfigError(f"ds_config moe={_fmt(ds['moe'])}: set expert_parallel.ep_size (or --ep) instead")
+    sections = {
+        "pp": (
+            "pipeline",
+            "stages",
+            {"stages", "partition", "activation_checkpoint_interval", "seed_layers"},
+        ),
+        "tp": ("tensor_parallel", "tp_size", {"tp_size"}),
+        "ep": ("expert_parallel", "ep_size", {"ep_size"}),
+    }
+    sizes = {}
+    for flag, (name, key, allowed) in sections.items():
+        sec = ds.get(name)
+        if sec is None:
+            sec = {}
+        if not isinstance(sec, dict):
+            raise ConfigError(f'ds_config {name}={_fmt(sec)}: expected an object like {{"{key}": 2}}')
+        if name == "tensor_parallel" and "autotp_size" in sec:
             raise ConfigError(
-                f"ds_config pipeline.stages={stages} with zero_optimization.stage={stage}: "
-                "DeepSpeed's pipeline engine supports ZeRO stage 0-1 only"
+                "ds_config tensor_parallel.autotp_size: DeepSpeed AutoTP is not used (it gets MLA's gradients "
+                "wrong); dstrain's own tensor parallelism: tensor_parallel.tp_size or --tp"
             )
-        raise ConfigError(f"ds_config pipeline.stages={stages}: pipeline parallelism is not supported yet")
-    tp = ds.get("tensor_parallel") or {}
-    tp_size = tp.get("autotp_size", (tp.get("tp") or {}).get("tp_size", 1)) if isinstance(tp, dict) else 1
-    if tp_size not in (0, 1, None):
-        if stage == 3:
+        if name == "expert_parallel" and sec.get("enabled"):
             raise ConfigError(
-                f"ds_config tensor_parallel.autotp_size={tp_size} with zero_optimization.stage=3: "
-                "DeepSpeed AutoTP training supports ZeRO stage 0-2 only"
+                "ds_config expert_parallel.enabled: DeepSpeed AutoEP is not used (it rejects expert-bias "
+                "balancing); dstrain's own expert parallelism: expert_parallel.ep_size or --ep"
             )
-        raise ConfigError(
-            f"ds_config tensor_parallel.autotp_size={tp_size}: tensor parallelism is not supported yet"
-        )
-    for key in ("moe", "expert_parallel"):
-        sec = ds.get(key)
-        if sec:
-            ep = sec.get("ep_size", sec) if isinstance(sec, dict) else sec
-            if stage == 3:
-                raise ConfigError(
-                    f"ds_config {key}={_fmt(ep)} with zero_optimization.stage=3: "
-                    "native DeepSpeed MoE (expert parallelism) does not support ZeRO-3"
-                )
-            raise ConfigError(f"ds_config {key}={_fmt(ep)}: expert parallelism is not supported yet")
+        _check_keys(sec, allowed, f"{name}.")
+        value = getattr(t, flag)
+        if value is None:
+            value = sec.get(key, AUTO)
+            value = 1 if value == AUTO else value
+        else:
+            _own(sec, key, value, f"--{flag} {value}", f"{name}.")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"ds_config {name}.{key}={_fmt(value)}: must be a positive integer")
+        sec[key] = value
+        ds[name] = sec
+        sizes[flag] = value
+    try:
+        dims = ParallelDims(world_size, **sizes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dims.pp > 1:
+        # Activations are whole tensors between stages (several of them need gradients).
+        ds["pipeline"].update(pipe_partitioned=False, grad_partitioned=False)
+    return dims
+
+
+def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
+    """The config deepspeed.initialize gets: without the sections only dstrain reads."""
+    return {k: v for k, v in ds.items() if k not in ("tensor_parallel", "expert_parallel")}
+
+
+def parallel_dims(ds: dict[str, Any], world_size: int) -> ParallelDims:
+    """The layout a resolved config describes."""
+    from dstrain.parallel import ParallelDims
+
+    return ParallelDims(
+        world_size,
+        pp=int(ds.get("pipeline", {}).get("stages", 1)),
+        tp=int(ds.get("tensor_parallel", {}).get("tp_size", 1)),
+        ep=int(ds.get("expert_parallel", {}).get("ep_size", 1)),
+    )
 
 
 def _resolve_optimizer(ds: dict[str, Any], t: TrainOptions, offload_opt: bool) -> None:

@@ -33,6 +33,17 @@ class TrainOptions:
     config: str | None = None
     """DeepSpeed config: a JSON path or a shipped name (zero1, zero2, zero3, zero3_offload). Default: the
     accelerate launcher's config if launched by `accelerate launch`, else zero1."""
+    pp: int | None = None
+    """Pipeline-parallel stages (default: the DeepSpeed config's pipeline.stages, else 1). Needs ZeRO-1."""
+    tp: int | None = None
+    """Tensor-parallel ranks: heads, dense and shared-expert MLPs split Megatron-style (default: the config's
+    tensor_parallel.tp_size, else 1). Needs ZeRO-1/2. Data-parallel size = world / (pp x tp)."""
+    ep: int | None = None
+    """Expert-parallel ranks: routed experts sharded, tokens dispatched by all-to-all; divides the
+    data-parallel size (default: the config's expert_parallel.ep_size, else 1). Needs ZeRO-1/2."""
+    pp_partition: str = "parameters"
+    """How blocks are split into pipeline stages: 'parameters' (balanced parameter counts), 'uniform', or the
+    first block index of every stage after the first, e.g. '4' or '3,6,9'."""
     micro_batch_size: int = 4
     """Rows per micro batch per data-parallel rank (train_micro_batch_size_per_gpu)."""
     gradient_accumulation_steps: int = 1
@@ -96,6 +107,21 @@ class TrainOptions:
     """Show tracebacks and DeepSpeed's own info logs."""
     local_rank: int = field(default=-1, metadata={"hidden": True})
     """Set by the `deepspeed` launcher; dstrain reads LOCAL_RANK from the environment instead."""
+    lora_r: int = 0
+    """LoRA rank: > 0 trains low-rank adapters on --lora_targets with every base weight frozen; 0 is a full
+    fine-tune."""
+    lora_alpha: float = 16.0
+    """LoRA alpha: the adapter's update is scaled by lora_alpha / lora_r."""
+    lora_targets: str = "q_b_proj,kv_b_proj,o_proj,shared_experts"
+    """Comma-separated module names (as in Hugging Face checkpoints) to adapt under LoRA: a name selects the
+    linears of that name or inside a module of that name (shared_experts = its gate/up/down_proj; o_proj
+    includes the MTP blocks). The routed experts and the router are not linears and cannot be named."""
+    train_router: bool = True
+    """Train the MoE routers' weights (also under LoRA, where they are otherwise frozen). The expert bias is
+    governed by --moe_bias_update_speed alone."""
+    train_mtp: bool = True
+    """Train the multi-token-prediction modules (under LoRA: their own weights in full, except adapted base
+    weights); --no-train_mtp freezes them."""
 
 
 # Data defaults that differ for training from the data package's own (a CPU-sized default run).
@@ -262,6 +288,10 @@ def validate_options(opts: Options) -> None:
     seq_len = getattr(opts.data, "seq_len", None)
     if seq_len is not None and seq_len < 2:
         raise ConfigError(f"--seq_len {seq_len}: must be >= 2 (a row needs an input and a target)")
+    if t.lora_r < 0 or (t.lora_r > 0 and t.lora_alpha <= 0):
+        raise ConfigError(
+            f"--lora_r {t.lora_r} --lora_alpha {t.lora_alpha}: need lora_r >= 0 and lora_alpha > 0"
+        )
     if t.resume is not None and t.resume != "auto" and not t.resume:
         raise ConfigError("--resume: give 'auto' or a checkpoint path")
 

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
+from dstrain.lora import apply_finetune_options
 from dstrain.model import ModelConfig, build_model, flops_per_token, from_pretrained, get_config
 
 from . import checkpoint, dist
 from .dist import DistInfo
+from .ds_config import engine_config, parallel_dims
 from .errors import CheckpointError, ConfigError, NonFiniteLossError
 from .metrics import Display, MetricsSink, device_peak_tflops
 from .objective import Weights, count_targets, micro_loss
@@ -49,10 +51,14 @@ def apply_overrides(cfg: ModelConfig, opts: Options) -> ModelConfig:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: norms' gains and biases are not penalised (the expert bias is a buffer)."""
+    """Decay matrices only: norms' gains and biases are not penalised (the expert bias is a buffer). Named, so
+    DeepSpeed can split expert-parallel weights into groups of their own."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [
+        {"name": "decay", "params": decay, "weight_decay": weight_decay},
+        {"name": "no_decay", "params": rest, "weight_decay": 0.0},
+    ]
 
 
 class Trainer:
@@ -83,6 +89,10 @@ class Trainer:
         self.ga = int(ds_config["gradient_accumulation_steps"])
         self.stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         self.precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+        self.dims = parallel_dims(ds_config, info.world_size)
+        self.stage_id, self.dp_rank, self.tp_rank = self.dims.coords(info.rank)
+        self.groups: Any = None
+        self.pipe = self.dims.pp > 1
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -100,6 +110,7 @@ class Trainer:
         else:
             model = build_model(self.cfg, device=self.info.device, dtype=torch.float32, seed=t.seed)
         self.cfg = model.config
+        self.lora_names = apply_finetune_options(model, t)
         model.set_activation_checkpointing(t.activation_checkpointing)
         model.train()
         sched = make_scheduler_factory(
@@ -109,14 +120,26 @@ class Trainer:
             max_steps=t.max_steps,
             schedule=t.lr_schedule,
         )
+        module, mpu = model, None
+        if self.dims.model_parallel:
+            from dstrain.parallel import build_groups
+            from dstrain.parallel.apply import parallelize
+
+            self.groups = build_groups(self.dims, self.info.rank)
+            module, mpu = parallelize(model, self.dims, self.groups, partition=t.pp_partition, seed=t.seed)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=param_groups(model, t.weight_decay),
-            config=self.ds,
+            model=module,
+            model_parameters=param_groups(module, t.weight_decay),
+            config=engine_config(self.ds),
             lr_scheduler=sched,
+            mpu=None if self.pipe else mpu,
             dist_init_required=False,
         )
-        self.model = self.engine.module
+        if self.dims.model_parallel:
+            from dstrain.parallel.gradnorm import install_global_grad_norm
+
+            install_global_grad_norm(self.engine, self.groups)
+        self.model = model
         checkpoint.install_safe_loading(self.engine)
         if self.resume_path is not None:
             self._resume(self.resume_path)
@@ -137,8 +160,8 @@ class Trainer:
             self.opts.data,
             tok,
             self.t.micro_batch_size,
-            dp_rank=self.info.rank,
-            dp_world=self.info.world_size,
+            dp_rank=self.dp_rank,
+            dp_world=self.dims.dp,
             seed=self.t.seed,
         )
         return loader, tok
@@ -147,6 +170,10 @@ class Trainer:
         from pathlib import Path
 
         state = checkpoint.load(self.engine, Path(path), self.info.rank, self.info.world_size)
+        if self.dims.model_parallel:
+            from .weights import load_local_weights
+
+            load_local_weights(self.model, Path(path))
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.target_tokens = int(state["target_tokens"])
@@ -166,58 +193,33 @@ class Trainer:
         dev = self.info.device
         batches = [next(self.loader) for _ in range(self.ga)]
         local_counts = torch.stack([count_targets(b, self.mtp_depth) for b in batches]).sum(0)
-        n_global = dist.all_reduce(local_counts.to(dev, torch.float64)).to(torch.float32)
-        scale = float(self.ga * self.info.world_size)
-        lm_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        mtp_sum = torch.zeros(self.mtp_depth, dtype=torch.float64, device=dev)
-        aux_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        model_counts = torch.zeros(1 + self.mtp_depth, dtype=torch.int64, device=dev)
-        load = None
-        skip = False
+        n_global = self._dp_sum(local_counts.to(dev, torch.float64)).to(torch.float32)
+        scale = float(self.ga * self.dims.dp)
         lr = float(self.engine.get_lr()[0])
-        grad_norm = None
-        for i, batch in enumerate(batches):
-            batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
-            out = self.engine(
-                input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"]
-            )
-            loss = micro_loss(out, n_global.to(dev), scale, self.weights)
-            bad = torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0], device=dev)
-            if dist.all_reduce(bad, tdist.ReduceOp.MAX).item() > 0:
-                if self.t.nan_policy == "stop":
-                    raise NonFiniteLossError(
-                        f"step {step}: non-finite loss (micro batch {i + 1}/{self.ga}); stopped before the "
-                        "update (--nan_policy skip to skip such steps)"
-                    )
-                skip = True
-            if skip:
-                # NaN gradients make DeepSpeed's overflow check drop this step's update on every rank.
-                loss = loss * float("nan")
-            lm_sum += out.lm_loss_sum.detach().double()
-            model_counts[0] += out.lm_tokens.detach().to(torch.int64)
-            if self.mtp_depth and out.mtp_loss_sum is not None:
-                mtp_sum += out.mtp_loss_sum.detach().double()
-                model_counts[1:] += out.mtp_tokens.detach().to(torch.int64)
-            if out.aux_loss is not None:
-                aux_sum += out.aux_loss.detach().double()
-            if out.expert_load is not None:
-                load = out.expert_load.detach().double() if load is None else load + out.expert_load.detach()
-            self.engine.backward(loss)
-            if self.stage == 0 and i == self.ga - 1:
-                grad_norm = self._local_full_grad_norm()
-            self.engine.step()
-        if skip and self.engine.was_step_applied():
-            raise RuntimeError(f"step {step}: DeepSpeed applied an update with non-finite gradients")
-        if not torch.equal(model_counts.cpu(), local_counts):
+        run = self._pipe_batches if self.pipe else self._micro_batches
+        acc, skip, grad_norm = run(step, batches, n_global, scale)
+        if acc["counts"] is not None and not torch.equal(acc["counts"].cpu(), local_counts):
             raise RuntimeError(
-                f"step {step}: the model counted {model_counts.tolist()} targets, the trainer {local_counts.tolist()}"
+                f"step {step}: the model counted {acc['counts'].tolist()} targets, the trainer {local_counts.tolist()}"
             )
-        # One collective for every statistic: [lm_sum, mtp_sum..., aux_sum, expert load...]
-        parts = [lm_sum.view(1), mtp_sum, aux_sum.view(1)] + ([load.flatten()] if load is not None else [])
+        # One collective for every statistic: [lm_sum, mtp_sum..., aux_sum, expert load...]. Ranks holding a
+        # copy of another's numbers (tensor-parallel peers, pipeline stages without the loss) send zeros.
+        load = acc["load"]
+        parts = [acc["lm"].view(1) * acc["w"], acc["mtp"] * acc["w"], acc["aux"].view(1) * acc["w"]]
+        if load is not None:
+            parts.append(load.flatten())
         stats = dist.all_reduce(torch.cat(parts))
         d = self.mtp_depth
         g_lm, g_mtp, g_aux = stats[0], stats[1 : 1 + d], stats[1 + d]
         g_load = stats[2 + d :].view(load.shape) if load is not None else None
+        if self.pipe and not math.isfinite(float(g_lm)) and not skip:
+            skip = True
+            if self.t.nan_policy == "stop":
+                raise NonFiniteLossError(
+                    f"step {step}: non-finite loss (--nan_policy skip to skip such steps)"
+                )
+        if skip and self.engine.was_step_applied():
+            raise RuntimeError(f"step {step}: DeepSpeed applied an update with non-finite gradients")
         if g_load is not None and not skip:
             self.model.update_expert_bias(g_load.to(torch.float32))
         if grad_norm is None:
@@ -228,7 +230,7 @@ class Trainer:
         aux_loss = float(g_aux / scale)
         total = lm_loss + self.weights.lam * (mtp_loss or 0.0) + self.weights.alpha * aux_loss
         seq_len = int(batches[0]["input_ids"].shape[1])
-        step_tokens = self.t.micro_batch_size * seq_len * self.ga * self.info.world_size
+        step_tokens = self.t.micro_batch_size * seq_len * self.ga * self.dims.dp
         self.step = step
         self.tokens += step_tokens
         self.target_tokens += int(n_global[0])
@@ -247,6 +249,106 @@ class Trainer:
             "seq_len": seq_len,
             "moe_imbalance": self._imbalance(g_load),
         }
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel group (every rank of a pipeline / tensor-parallel group reads the same
+        batches)."""
+        if self.groups is None:
+            return dist.all_reduce(x)
+        if self.groups.dp is not None:
+            tdist.all_reduce(x, group=self.groups.dp)
+        return x
+
+    def _accumulator(self) -> dict[str, Any]:
+        dev = self.info.device
+        return {
+            "lm": torch.zeros((), dtype=torch.float64, device=dev),
+            "mtp": torch.zeros(self.mtp_depth, dtype=torch.float64, device=dev),
+            "aux": torch.zeros((), dtype=torch.float64, device=dev),
+            "counts": torch.zeros(1 + self.mtp_depth, dtype=torch.int64, device=dev),
+            "load": None,
+            "w": 1.0 if self.tp_rank == 0 else 0.0,
+        }
+
+    def _add_output(self, acc: dict[str, Any], out: Any) -> None:
+        acc["lm"] += out.lm_loss_sum.detach().double()
+        acc["counts"][0] += out.lm_tokens.detach().to(torch.int64)
+        if self.mtp_depth and out.mtp_loss_sum is not None:
+            acc["mtp"] += out.mtp_loss_sum.detach().double()
+            acc["counts"][1:] += out.mtp_tokens.detach().to(torch.int64)
+        if out.aux_loss is not None:
+            acc["aux"] += out.aux_loss.detach().double()
+
+    def _micro_batches(self, step: int, batches: list, n_global: torch.Tensor, scale: float) -> tuple:
+        dev = self.info.device
+        acc = self._accumulator()
+        skip = False
+        grad_norm = None
+        for i, batch in enumerate(batches):
+            batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+            out = self.engine(
+                input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"]
+            )
+            loss = micro_loss(out, n_global.to(dev), scale, self.weights)
+            bad = torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0], device=dev)
+            if dist.all_reduce(bad, tdist.ReduceOp.MAX).item() > 0:
+                if self.t.nan_policy == "stop":
+                    raise NonFiniteLossError(
+                        f"step {step}: non-finite loss (micro batch {i + 1}/{self.ga}); stopped before the "
+                        "update (--nan_policy skip to skip such steps)"
+                    )
+                skip = True
+            if skip:
+                # NaN gradients make DeepSpeed's overflow check drop this step's update on every rank.
+                loss = loss * float("nan")
+            self._add_output(acc, out)
+            if out.expert_load is not None:
+                load = out.expert_load.detach().double() * acc["w"]
+                acc["load"] = load if acc["load"] is None else acc["load"] + load
+            self.engine.backward(loss)
+            if self.stage == 0 and i == self.ga - 1:
+                grad_norm = self._local_full_grad_norm()
+            self.engine.step()
+        return acc, skip, grad_norm
+
+    def _pipe_batches(self, step: int, batches: list, n_global: torch.Tensor, scale: float) -> tuple:
+        """One train_batch of DeepSpeed's pipeline engine; statistics live on the stages that computed them."""
+        from dstrain.parallel.pipe import BlockLayer, Tail
+
+        dev = self.info.device
+        layers = list(self.engine.module.forward_funcs)
+        tail = next((m for m in layers if isinstance(m, Tail)), None)
+        blocks = [m for m in layers if isinstance(m, BlockLayer) and m.is_moe]
+        for b in blocks:
+            b.load = None
+        if tail is not None:
+            tail.outputs = []
+            n_dev = n_global.to(dev)
+            tail.objective = lambda out: micro_loss(out, n_dev, scale, self.weights)
+
+        def feed(batch: dict[str, torch.Tensor]) -> tuple:
+            ids = batch["input_ids"].to(dev)
+            pos = batch.get("position_ids")
+            pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous() if pos is None else pos
+            return (ids, pos.to(dev)), batch["labels"].to(dev)
+
+        self.engine.train_batch(data_iter=iter([feed(b) for b in batches]))
+        acc = self._accumulator()
+        moe_ids = self.model.moe_layer_ids
+        e = self.cfg.n_routed_experts
+        load = torch.zeros(len(moe_ids), e, dtype=torch.float64, device=dev) if moe_ids else None
+        for b in blocks:
+            load[moe_ids.index(b.index)] += b.load.to(dev) * acc["w"]
+        if tail is None:
+            acc["w"], acc["counts"] = 0.0, None
+        else:
+            for out in tail.outputs:
+                self._add_output(acc, out)
+                if out.expert_load is not None:  # the MTP blocks' MoE layers, after the main ones
+                    rows = out.expert_load.double() * acc["w"]
+                    load[len(moe_ids) - rows.shape[0] :] += rows
+        acc["load"] = load
+        return acc, False, None
 
     def _local_full_grad_norm(self) -> float:
         # ZeRO stage 0 keeps whole, already averaged gradients on every rank; DeepSpeed reports no norm there.
@@ -281,7 +383,14 @@ class Trainer:
 
     def save(self) -> str:
         path = checkpoint.save(
-            self.engine, self.output_dir, self.step, self.state(), self.t.keep_last, self.cfg.to_hf_dict()
+            self.engine,
+            self.output_dir,
+            self.step,
+            self.state(),
+            self.t.keep_last,
+            self.cfg.to_hf_dict(),
+            model=self.model,
+            groups=self.groups,
         )
         return str(path)
 

@@ -1,0 +1,155 @@
+"""`dstrain export`: a dstrain checkpoint back to the exact Hugging Face folder it started from, LoRA merged
+or as a PEFT adapter, --verify against transformers, and the user errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_fixtures import make_hf_model, v3_config
+from safetensors.torch import save_file
+from test_lora import checkpoint_weights, expected_default, randomize_adapters, standin_iter_weights, trained
+from test_model_hf_format import read_folder
+from test_train_support import make_options
+
+import dstrain.export as ex
+from dstrain.lora import apply_finetune_options, lora_modules, merge_lora, save_lora_settings
+from dstrain.model import from_pretrained
+from dstrain.model.hf import SAFE_INDEX
+from dstrain.training import checkpoint
+
+__all__ = ["trained"]  # the session fixture, shared with test_lora
+
+
+@pytest.fixture
+def real_weights(monkeypatch):
+    monkeypatch.setattr(ex, "iter_weights", checkpoint_weights())
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.setattr(ex, "iter_weights", standin_iter_weights)
+
+
+def test_round_trip_is_bit_identical(trained, tmp_path, real_weights, capsys):
+    """transformers-written folder (bf16, MTP layer, sharded) -> dstrain --max_steps 0 -> export: the same
+    key set and the same bits, the config's dtype, the tokenizer alongside; small shards get an index."""
+    out = tmp_path / "out"
+    assert ex.main([str(trained["full"]), "--out", str(out), "--verify"]) == 0
+    assert "verify: max |logits diff|" in capsys.readouterr().out
+    src, got = read_folder(trained["hf"]), read_folder(out)
+    assert got.keys() == src.keys()
+    for k in src:
+        assert got[k].dtype == src[k].dtype and torch.equal(got[k], src[k]), k
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dtype"] == "bfloat16" and conf["model_type"] == "deepseek_v3"
+    assert conf["num_nextn_predict_layers"] == 1
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    # the run's output dir (its `latest`), sharded small, overwritten with --force
+    info = ex.export(trained["full"].parents[1], out, force=True, max_shard_bytes=64 * 1024)
+    assert len(info["files"]) > 2 and (out / SAFE_INDEX).is_file()
+    assert not (out / "model.safetensors").exists()  # the earlier single file did not survive
+    again = read_folder(out)
+    assert again.keys() == src.keys() and all(torch.equal(again[k], src[k]) for k in src)
+
+
+def test_user_errors_exit_2(trained, tmp_path, real_weights, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert ex.main([str(trained["full"]), "--out", str(out)]) == 2
+    assert "is not empty: choose another folder or pass --force" in capsys.readouterr().err
+    partial = tmp_path / "step_00000000"
+    shutil.copytree(trained["full"], partial)
+    (partial / "COMPLETE").unlink()
+    assert ex.main([str(partial), "--out", str(tmp_path / "x")]) == 2
+    assert "is incomplete (no COMPLETE marker" in capsys.readouterr().err
+    assert ex.main([str(tmp_path), "--out", str(tmp_path / "y")]) == 2
+    assert "not a dstrain checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # an adapter needs LoRA; shared-expert adapters would hit the peft trap
+    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "a"), "--adapter_only"]) == 2
+    assert "no LoRA adapters" in capsys.readouterr().err
+    assert ex.main([str(trained["lora3"]), "--out", str(tmp_path / "b"), "--adapter_only"]) == 2
+    assert "onto the routed experts" in capsys.readouterr().err
+
+
+def test_lora_merged_export(trained, tmp_path, real_weights):
+    """Adapted weights are exported as W + (alpha/r)·B·A, everything else bit for bit; transformers loads the
+    folder and --verify (adapters unmerged on dstrain's side) agrees."""
+    out = tmp_path / "out"
+    assert ex.main([str(trained["lora3"]), "--out", str(out), "--dtype", "float32", "--verify"]) == 0
+    weights = dict(checkpoint_weights()(trained["lora3"]))
+    got = read_folder(out)
+    adapted = expected_default(3)
+    cfg = ex.checkpoint_config(trained["lora3"])
+    moved = 0
+    for m in adapted:
+        w, a, b = weights[f"{m}.weight"], weights[f"{m}.lora_A"], weights[f"{m}.lora_B"]
+        key = f"model.layers.{cfg.num_hidden_layers}.{m.removeprefix('mtp.0.block.')}"
+        key = (f"model.{m}" if not m.startswith("mtp.") else key) + ".weight"
+        assert torch.allclose(got[key], w + 2.0 * b @ a, atol=1e-6), key
+        moved += not torch.equal(got[key], w)
+    assert moved == len([m for m in adapted if not m.startswith("mtp.")])  # MTP adapters were frozen
+    assert torch.equal(got["model.layers.1.mlp.gate.weight"], weights["layers.1.mlp.gate.weight"])
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, real_weights, monkeypatch, capsys):
+    real = ex.hf_stream
+
+    def corrupting(*args, **kw):
+        for key, t in real(*args, **kw):
+            yield key, (t + 0.05 if key == "model.layers.1.self_attn.o_proj.weight" else t)
+
+    monkeypatch.setattr(ex, "hf_stream", corrupting)
+    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def fake_checkpoint(path, model, source):
+    """A complete checkpoint folder as export reads it, weights from `model` (read by the stand-in)."""
+    path.mkdir(parents=True)
+    save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, path / "weights.safetensors")
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    (path / "dstrain_state").mkdir()
+    (path / "dstrain_state" / "rank_00000.json").write_text(json.dumps({"model": str(source)}))
+    save_lora_settings(model, path, rank=0)
+    marker = {"step": 0, "world_size": 1, "saved_at": 0.0, "files": checkpoint._files(path)}
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    return path
+
+
+def test_adapter_only_loads_with_peft(tmp_path, standin, capsys):
+    from peft import PeftModel
+    from transformers import DeepseekV3ForCausalLM
+
+    base = tmp_path / "base"
+    make_hf_model(v3_config()).save_pretrained(base)
+    ours = from_pretrained(base, dtype=torch.float32).eval()
+    ours.config.bias_update_speed = 0.0
+    args = ["--lora_r", "4", "--lora_targets", "q_b_proj,kv_b_proj,o_proj", "--no-train_router"]
+    apply_finetune_options(ours, make_options(args).train)
+    randomize_adapters(ours)
+    ckpt = fake_checkpoint(tmp_path / "step_00000000", ours, base)
+    out = tmp_path / "adapter"
+    assert ex.main([str(ckpt), "--out", str(out), "--adapter_only", "--dtype", "float32"]) == 0
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(base)
+    hf = PeftModel.from_pretrained(
+        DeepseekV3ForCausalLM.from_pretrained(base, dtype=torch.float32), out
+    ).eval()
+    merged = {n: m.weight.detach().clone() for n, m in lora_modules(ours).items()}
+    merge_lora(ours)
+    assert any(not torch.equal(merged[n], ours.get_submodule(n).weight) for n in merged)
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        assert (hf(input_ids=ids, use_cache=False).logits - ours(ids).logits).abs().max() <= 1e-5
+    # trained routers cannot travel in an adapter
+    again = from_pretrained(base, dtype=torch.float32)
+    apply_finetune_options(again, make_options(args[:-1]).train)
+    ckpt2 = fake_checkpoint(tmp_path / "r" / "step_00000000", again, base)
+    assert ex.main([str(ckpt2), "--out", str(tmp_path / "a2"), "--adapter_only"]) == 2
+    assert "the routers were trained too" in capsys.readouterr().err
