@@ -27,6 +27,8 @@ LAYOUTS = {  # name -> flags
     "ep2_z1": "--config zero1 --ep 2",
     "ep2_z2": "--config zero2 --ep 2",
     "dp2_z1": "--config zero1",
+    "dp2_z2": "--config zero2",
+    "dp2_z3": "--config zero3",
     "pp2dp2": "--config zero1 --pp 2",
     "tp2dp2": "--config zero2 --tp 2",
     "ep2dp2": "--config zero2 --ep 2",

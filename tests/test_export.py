@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_fixtures import make_hf_model, v3_config
 from safetensors.torch import save_file
-from test_lora import checkpoint_weights, expected_default, randomize_adapters, standin_iter_weights, trained
+from test_lora import expected_default, randomize_adapters, read_weights, standin_iter_weights, trained
 from test_model_hf_format import read_folder
 from test_train_support import make_options
 
@@ -25,7 +25,7 @@ __all__ = ["trained"]  # the session fixture, shared with test_lora
 
 @pytest.fixture
 def real_weights(monkeypatch):
-    monkeypatch.setattr(ex, "iter_weights", checkpoint_weights())
+    monkeypatch.setattr(ex, "iter_weights", read_weights)
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_lora_merged_export(trained, tmp_path, real_weights):
     folder and --verify (adapters unmerged on dstrain's side) agrees."""
     out = tmp_path / "out"
     assert ex.main([str(trained["lora3"]), "--out", str(out), "--dtype", "float32", "--verify"]) == 0
-    weights = dict(checkpoint_weights()(trained["lora3"]))
+    weights = dict(read_weights(trained["lora3"]))
     got = read_folder(out)
     adapted = expected_default(3)
     cfg = ex.checkpoint_config(trained["lora3"])

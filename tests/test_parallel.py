@@ -15,8 +15,8 @@ from test_train_support import launch, make_options, reference_run, tiny_config
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
-TWO = ["pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
-FOUR = ["pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
+TWO = ["dp2_z1", "dp2_z2", "dp2_z3", "pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
+FOUR = ["dp4_z1", "pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
 
 
 @pytest.fixture(scope="module")

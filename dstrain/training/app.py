@@ -103,7 +103,8 @@ def run(argv: list[str]) -> int:
     dist.barrier()
     stage = ds["zero_optimization"].get("stage", 0)
     say(
-        f"dstrain: {t.model} on {info.world_size} x {info.device.type} ({info.backend}), ZeRO-{stage}, {precision}, "
+        f"dstrain: {t.model} on {info.world_size} x {info.device.type} ({info.backend}), "
+        f"{parallel_dims(ds, info.world_size).describe()}, ZeRO-{stage}, {precision}, "
         f"global batch {ds['train_batch_size']} x {opts.data.seq_len} tokens, {t.max_steps} steps",
         flush=True,
     )
