@@ -300,7 +300,16 @@ def verify(
         for name, t in ref.state_dict(keep_vars=True).items():
             if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
                 t.data.copy_(t.data.to(dtype).float())
-    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists the MTP layers it does not build, as "unexpected"
+    hf_logging.disable_progress_bar()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (3, min(seq_len, cfg.max_position_embeddings)), generator=gen)
     want = ref.eval()(ids).logits

@@ -202,19 +202,13 @@ def test_shipped_configs_resolve_from_options():
             [],
             "offload_param needs stage 3",
         ),
+        ({"pipeline": {"stages": 2}}, ["--pp", "3"], "ds_config pipeline.stages=2 conflicts with --pp 3"),
         (
-            {"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}},
+            {"tensor_parallel": {"autotp_size": 2}},
             [],
-            "pipeline engine supports ZeRO stage 0-1",
+            "tensor_parallel.autotp_size: DeepSpeed AutoTP is not used",
         ),
-        ({"pipeline": {"stages": 2}}, [], "pipeline parallelism is not supported yet"),
-        (
-            {"zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}},
-            [],
-            "AutoTP training supports ZeRO",
-        ),
-        ({"tensor_parallel": {"autotp_size": 2}}, [], "tensor parallelism is not supported yet"),
-        ({"zero_optimization": {"stage": 3}, "moe": {"ep_size": 2}}, [], "native DeepSpeed MoE"),
+        ({"moe": {"ep_size": 2}}, [], "ds_config moe="),
         (
             {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "momentum": 0.9}}},
             [],

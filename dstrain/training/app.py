@@ -61,7 +61,12 @@ def validate(argv: list[str]) -> tuple[Options, dict, str]:
     zero = ds["zero_optimization"]
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
     try:
-        parallel_dims(ds, world).validate(cfg, int(zero.get("stage", 0)), offload=offload)
+        dims = parallel_dims(ds, world)
+        dims.validate(cfg, int(zero.get("stage", 0)), offload=offload)
+        if opts.train.lora_r and dims.tp > 1:
+            raise ValueError(
+                f"--lora_r {opts.train.lora_r} with --tp {dims.tp}: LoRA under tensor parallelism is not supported"
+            )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return opts, ds, precision

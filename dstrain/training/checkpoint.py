@@ -230,6 +230,9 @@ def save(
         from .weights import save_weights
 
         save_weights(model, path, rank=rank, groups=groups)
+        from dstrain.lora import save_lora_settings
+
+        save_lora_settings(model, path, rank)
     (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
     _write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
     if rank == 0 and model_config is not None:

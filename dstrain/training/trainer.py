@@ -121,6 +121,8 @@ class Trainer:
             schedule=t.lr_schedule,
         )
         module, mpu = model, None
+        # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
+        deepspeed.utils.groups.mpu = None
         if self.dims.model_parallel:
             from dstrain.parallel import build_groups
             from dstrain.parallel.apply import parallelize
