@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from parallel_worker import GLOBAL_ROWS, STEPS, common
@@ -86,3 +87,16 @@ def test_four_rank_layouts_match_one_process(four_rank, reference, name):
     dev = _check(tmp, name, res[name], reference)
     assert all(math.isfinite(h["loss"]) for h in res[name]["history"])
     print(name, dev)
+
+
+@pytest.mark.parametrize("name", ["pp2", "tp2", "ep2_z2", "dp2_z3"])
+def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name, capsys):
+    """`dstrain export --verify` on the final checkpoint of a parallel run: the HF folder transformers loads
+    gives the logits of dstrain's model built from the checkpoint."""
+    from dstrain.export import main as export_main
+
+    tmp, _ = two_rank
+    ckpt = tmp / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
+    assert export_main([str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32", "--verify"]) == 0
+    found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
+    assert found and float(found.group(1)) <= 1e-5, found

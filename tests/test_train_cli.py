@@ -57,7 +57,7 @@ def test_default_command_with_deepspeed_launcher(tmp_path):
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert f"outputs in {out}" in proc.stdout and "Traceback" not in text
-    assert "tiny on 2 x cpu (gloo), ZeRO-1, fp32" in proc.stdout
+    assert "tiny on 2 x cpu (gloo), dp 2, ZeRO-1, fp32" in proc.stdout
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
