@@ -34,6 +34,7 @@ from dstrain.model.hf import (
 from dstrain.model.loading import parse_dtype
 from dstrain.training.checkpoint import LATEST, MARKER, MODEL_CONFIG, STATE_DIR, TAG_RE, read_marker
 from dstrain.training.errors import CheckpointError, ConfigError, UserError
+from dstrain.training.weights import iter_weights
 
 log = logging.getLogger("dstrain.export")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -50,13 +51,6 @@ TOKENIZER_FILES = (
 )
 # What an earlier export may have left in --out: removed first under --force, so no stale shard survives.
 OUTPUT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json")
-
-
-def iter_weights(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full fp32 tensors of a checkpoint in dstrain state-dict naming, whatever its parallel layout."""
-    from dstrain.training.weights import iter_weights as read
-
-    return read(checkpoint_dir)
 
 
 # ------------------------------------------------------------------ the checkpoint

@@ -153,12 +153,6 @@ def apply_finetune_options(model: DeepSeekLM, t: Any) -> list[str]:
     from dstrain.training.errors import ConfigError
 
     names: list[str] = []
-    if t.lora_r < 0:
-        raise ConfigError(f"--lora_r {t.lora_r}: must be >= 0 (0 = full fine-tune)")
-    if t.lora_r > 0 and (getattr(t, "tp", None) or 1) > 1:
-        raise ConfigError(
-            f"--lora_r {t.lora_r} with --tp {t.tp}: LoRA under tensor parallelism is not supported"
-        )
     if t.lora_r > 0:
         targets = [s.strip() for s in t.lora_targets.split(",") if s.strip()]
         try:

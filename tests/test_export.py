@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 import torch
 from hf_fixtures import make_hf_model, v3_config
-from safetensors.torch import save_file
-from test_lora import expected_default, randomize_adapters, read_weights, standin_iter_weights, trained
+from test_lora import expected_default, randomize_adapters, read_weights, trained
 from test_model_hf_format import read_folder
 from test_train_support import make_options
 
@@ -19,21 +17,12 @@ from dstrain.lora import apply_finetune_options, lora_modules, merge_lora, save_
 from dstrain.model import from_pretrained
 from dstrain.model.hf import SAFE_INDEX
 from dstrain.training import checkpoint
+from dstrain.training.weights import save_weights
 
 __all__ = ["trained"]  # the session fixture, shared with test_lora
 
 
-@pytest.fixture
-def real_weights(monkeypatch):
-    monkeypatch.setattr(ex, "iter_weights", read_weights)
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    monkeypatch.setattr(ex, "iter_weights", standin_iter_weights)
-
-
-def test_round_trip_is_bit_identical(trained, tmp_path, real_weights, capsys):
+def test_round_trip_is_bit_identical(trained, tmp_path, capsys):
     """transformers-written folder (bf16, MTP layer, sharded) -> dstrain --max_steps 0 -> export: the same
     key set and the same bits, the config's dtype, the tokenizer alongside; small shards get an index."""
     out = tmp_path / "out"
@@ -55,7 +44,7 @@ def test_round_trip_is_bit_identical(trained, tmp_path, real_weights, capsys):
     assert again.keys() == src.keys() and all(torch.equal(again[k], src[k]) for k in src)
 
 
-def test_user_errors_exit_2(trained, tmp_path, real_weights, capsys):
+def test_user_errors_exit_2(trained, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -76,7 +65,7 @@ def test_user_errors_exit_2(trained, tmp_path, real_weights, capsys):
     assert "onto the routed experts" in capsys.readouterr().err
 
 
-def test_lora_merged_export(trained, tmp_path, real_weights):
+def test_lora_merged_export(trained, tmp_path):
     """Adapted weights are exported as W + (alpha/r)·B·A, everything else bit for bit; transformers loads the
     folder and --verify (adapters unmerged on dstrain's side) agrees."""
     out = tmp_path / "out"
@@ -97,7 +86,7 @@ def test_lora_merged_export(trained, tmp_path, real_weights):
     assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
 
-def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, real_weights, monkeypatch, capsys):
+def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, monkeypatch, capsys):
     real = ex.hf_stream
 
     def corrupting(*args, **kw):
@@ -110,9 +99,9 @@ def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, real_weights, mon
 
 
 def fake_checkpoint(path, model, source):
-    """A complete checkpoint folder as export reads it, weights from `model` (read by the stand-in)."""
+    """A complete checkpoint folder as export reads it, with `model`'s weights as checkpoint.save writes them."""
     path.mkdir(parents=True)
-    save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, path / "weights.safetensors")
+    save_weights(model, path, rank=0)
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     (path / "dstrain_state").mkdir()
     (path / "dstrain_state" / "rank_00000.json").write_text(json.dumps({"model": str(source)}))
@@ -122,7 +111,7 @@ def fake_checkpoint(path, model, source):
     return path
 
 
-def test_adapter_only_loads_with_peft(tmp_path, standin, capsys):
+def test_adapter_only_loads_with_peft(tmp_path, capsys):
     from peft import PeftModel
     from transformers import DeepseekV3ForCausalLM
 

@@ -1,8 +1,7 @@
 """LoRA: adapters on exactly the named linears, merging, PEFT folders transformers+peft load, the peft 0.21
 target trap, training that changes only the adapters (one process, and 2-rank ZeRO-3).
 
-Also the shared pieces of the export tests: a transformers-written HF folder, dstrain runs on it, and a
-stand-in for `dstrain.training.weights.iter_weights` while that does not exist."""
+Also the shared pieces of the export tests: a transformers-written HF folder and dstrain runs on it."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from dstrain.lora import (
     lora_modules,
     lora_state,
     merge_lora,
-    save_lora_settings,
     save_peft_adapter,
 )
 from dstrain.model import build_model, from_pretrained
@@ -36,33 +34,11 @@ LORA_ARGS += ["--moe_bias_update_speed", "0", "--lr", "1e-2"]
 
 
 # ---------------------------------------------------------------------- shared with test_export
-def standin_iter_weights(ckpt):
-    """Until dstrain.training.weights exists: a one-rank ZeRO-1/2 checkpoint's module state dict, or the
-    `weights.safetensors` of a test-made checkpoint."""
-    from safetensors import safe_open
-
-    from dstrain.training.checkpoint import _deepspeed_state_classes
-
-    ckpt = Path(ckpt)
-    if (ckpt / "weights.safetensors").is_file():
-        with safe_open(ckpt / "weights.safetensors", "pt") as f:
-            for k in f.keys():  # noqa: SIM118
-                yield k, f.get_tensor(k).float()
-        return
-    with torch.serialization.safe_globals(_deepspeed_state_classes()):
-        sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
-    for k, v in sd["module"].items():
-        yield k, v.float()
-
-
 def read_weights(ckpt):
-    """dstrain.training.weights.iter_weights where the checkpoint has its `weights/` folder, else the
-    stand-in (checkpoints saved before that was wired in, and the test-made ones)."""
-    if (Path(ckpt) / "weights").is_dir():
-        from dstrain.training.weights import iter_weights
+    """A checkpoint's full weights (dstrain.training.weights, any layout), as a generator of (key, tensor)."""
+    from dstrain.training.weights import iter_weights
 
-        return iter_weights(Path(ckpt))
-    return standin_iter_weights(ckpt)
+    return iter_weights(Path(ckpt))
 
 
 def hf_source(path: Path) -> Path:
@@ -88,9 +64,8 @@ def train(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
-def ensure_lora_json(ckpt: Path, args: list[str]) -> None:
-    """lora.json as checkpoint.save writes it (through save_lora_settings); written here for checkpoints
-    saved before that call was wired in, checked against a fresh derivation otherwise."""
+def check_lora_json(ckpt: Path, args: list[str]) -> None:
+    """checkpoint.save wrote lora.json (through save_lora_settings), equal to a fresh derivation."""
     from dstrain.export import checkpoint_config
     from dstrain.model.model import DeepSeekLM
     from dstrain.training.trainer import apply_overrides
@@ -99,10 +74,7 @@ def ensure_lora_json(ckpt: Path, args: list[str]) -> None:
     with torch.device("meta"):
         model = DeepSeekLM(apply_overrides(checkpoint_config(ckpt), opts))
     apply_finetune_options(model, opts.train)
-    if (ckpt / "lora.json").is_file():
-        assert json.loads((ckpt / "lora.json").read_text()) == json.loads(json.dumps(model.lora_settings))
-    else:
-        save_lora_settings(model, ckpt, rank=0)
+    assert json.loads((ckpt / "lora.json").read_text()) == json.loads(json.dumps(model.lora_settings))
 
 
 _RUNS: dict[str, dict[str, Path]] = {}
@@ -121,7 +93,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
         train([*lora, "--max_steps", "3", "--resume", "auto"])
         ckpts = root / "lora" / "checkpoints"
         for step in ("step_00000000", "step_00000003"):
-            ensure_lora_json(ckpts / step, LORA_ARGS)
+            check_lora_json(ckpts / step, LORA_ARGS)
         _RUNS[key] = {
             "hf": hf,
             "full": root / "full" / "checkpoints" / "step_00000000",

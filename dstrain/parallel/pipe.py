@@ -162,7 +162,3 @@ def build_pipeline(lm: DeepSeekLM, dims: Any, partition: str, seed: int) -> nn.M
             layer.to("meta")  # another stage's: keep the structure (names, shapes), free the memory
     pipe._layer_specs = []  # it held every layer
     return pipe
-
-
-def stage_layers(pipe: nn.Module) -> list[nn.Module]:
-    return list(pipe.forward_funcs)

@@ -90,7 +90,7 @@ class Trainer:
         self.stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         self.precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
         self.dims = parallel_dims(ds_config, info.world_size)
-        self.stage_id, self.dp_rank, self.tp_rank = self.dims.coords(info.rank)
+        _, self.dp_rank, self.tp_rank = self.dims.coords(info.rank)
         self.groups: Any = None
         self.pipe = self.dims.pp > 1
 
@@ -110,7 +110,7 @@ class Trainer:
         else:
             model = build_model(self.cfg, device=self.info.device, dtype=torch.float32, seed=t.seed)
         self.cfg = model.config
-        self.lora_names = apply_finetune_options(model, t)
+        apply_finetune_options(model, t)
         model.set_activation_checkpointing(t.activation_checkpointing)
         model.train()
         sched = make_scheduler_factory(
