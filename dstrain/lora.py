@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,15 @@ class LoRALinear(Linear):
         self.r, self.alpha, self.scale = r, alpha, alpha / r
         w = base.weight
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, r, device=w.device, dtype=w.dtype))
+        if not w.is_meta:
+            self.reset_adapter(generator)
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """A as nn.Linear initialises a weight, B zero: the adapted layer starts equal to the base."""
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias) + linear(linear(x, self.lora_A), self.lora_B) * self.scale
@@ -110,14 +118,28 @@ def apply_lora(model: DeepSeekLM, r: int, alpha: float, targets: list[str], seed
             raise ValueError(
                 "lm_head is tied to embed_tokens: a LoRA on it would untie them; drop the target"
             )
-    device = model.embed_tokens.weight.device
-    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():
         p.requires_grad = False
     for name in names:
-        _replace(model, name, LoRALinear(model.get_submodule(name), r, alpha, gen))
+        base = model.get_submodule(name)
+        _replace(model, name, LoRALinear(base, r, alpha, _adapter_generator(name, seed, base.weight)))
     model.lora_settings = {"r": r, "alpha": alpha, "targets": list(targets), "modules": names}
     return names
+
+
+def _adapter_generator(name: str, seed: int, like: torch.Tensor) -> torch.Generator | None:
+    """One generator per adapted module, seeded by its name: the same A on every rank and in every layout."""
+    if like.is_meta:
+        return None
+    return torch.Generator(device=like.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """(Re)initialise the adapters of a model whose LoRA modules were made on the meta device, then given
+    memory (the parallel loading path); other pipeline stages' adapters stay on meta."""
+    for name, m in lora_modules(model).items():
+        if not m.lora_A.is_meta:
+            m.reset_adapter(_adapter_generator(name, seed, m.lora_A))
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

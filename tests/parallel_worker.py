@@ -46,22 +46,41 @@ def common(dp: int) -> str:
     )
 
 
-def trainer(flags: str, out_dir: str, info, resume: str | None = None):  # noqa: ANN001
+# Fine-tuning from a Hugging Face folder (tests/test_finetune_parallel.py): `... OUT --hf FOLDER LAYOUT...`
+FINETUNE = {
+    "ft_z3": "--config zero3",
+    "ft_pp2": "--config zero1 --pp 2",
+    "ft_tp2": "--config zero1 --tp 2",
+    "ft_ep2": "--config zero2 --ep 2",
+    "ft_z3_lora": "--config zero3 --lora_r 4 --lora_alpha 8",
+    "ft_pp2_lora": "--config zero1 --pp 2 --lora_r 4 --lora_alpha 8",
+}
+FT_STEPS = 3
+
+
+def trainer(
+    flags: str, out_dir: str, info, resume: str | None = None, extra: str = "", hf: str | None = None
+):  # noqa: ANN001
+    from dstrain.model import get_config
     from dstrain.training.ds_config import load_ds_config, parallel_dims, resolve_ds_config
     from dstrain.training.trainer import Trainer
 
-    cfg = tiny_config()
+    cfg = tiny_config() if hf is None else get_config(hf)
+    if hf is not None:
+        extra = f"{extra} --model {hf}"
     probe = make_options(flags.split())
     _, raw = load_ds_config(probe.train.config)
     ds0 = resolve_ds_config(raw, probe.train, world_size=info.world_size, precision="fp32", hidden_size=32)
     dims = parallel_dims(ds0, info.world_size)
-    opts = make_options(f"{flags} {common(dims.dp)}".split())
-    ds = resolve_ds_config(raw, opts.train, world_size=info.world_size, precision="fp32", hidden_size=32)
+    opts = make_options(f"{flags} {common(dims.dp)} {extra}".split())
+    precision = opts.train.precision  # fp32 unless `extra` says otherwise
+    ds = resolve_ds_config(raw, opts.train, world_size=info.world_size, precision=precision, hidden_size=32)
     dims.validate(cfg, int(ds["zero_optimization"]["stage"]))
     opts.train.output_dir = out_dir
     _, dp_rank, _ = dims.coords(info.rank)
     t = opts.train
     loader = GlobalRows(t.micro_batch_size, t.gradient_accumulation_steps, dp_rank, dims.dp)
+    cfg = None if hf is not None else cfg  # from the folder, with the options' overrides
     tr = Trainer(opts, info, ds, out_dir, model_config=cfg, loader=loader, resume_path=resume, verbose=False)
     tr.setup()
     return tr
@@ -88,5 +107,46 @@ def main(out: str, layouts: list[str]) -> None:
         dist.barrier()
 
 
+def held_bytes(model) -> int:  # noqa: ANN001
+    """What this rank keeps of the model outside ZeRO-3, in the fp32 source's bytes."""
+    from dstrain.model.loading import local_tensors
+
+    return sum(t.numel() * 4 for _, t in local_tensors(model) if not t.is_meta)
+
+
+def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
+    """Each layout: --max_steps 0 (the loaded weights, checkpointed as they are) and FT_STEPS steps."""
+    from dstrain.training import dist
+
+    info = dist.init_distributed()
+    for name in layouts:
+        res = {}
+        for steps in (0, FT_STEPS):
+            tr = trainer(
+                FINETUNE[name], f"{out}/{name}/steps{steps}", info, extra=f"--max_steps {steps}", hf=folder
+            )
+            tr.run()
+            res[steps] = {
+                "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
+                "load": tr.load_stats,
+                "held_bytes": held_bytes(tr.model),
+            }
+        Path(f"{out}/{name}_rank{info.rank}.json").write_text(json.dumps(res))
+        dist.barrier()
+    # ZeRO-3 in bf16: the expert bias must load and stay fp32 (zero.Init casts buffers to the training dtype)
+    tr = trainer("--config zero3", f"{out}/z3_bf16", info, extra="--max_steps 2 --precision bf16", hf=folder)
+    loaded = [
+        (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
+    ]
+    tr.run()
+    trained = [
+        (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
+    ]
+    Path(f"{out}/z3_bf16_rank{info.rank}.json").write_text(json.dumps({"loaded": loaded, "trained": trained}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[2] == "--hf":
+        finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
+    else:
+        main(sys.argv[1], sys.argv[2:])

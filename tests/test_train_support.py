@@ -99,9 +99,10 @@ def make_options(extra: list[str]):
 
 
 def reference_run(
-    cfg, opts, steps: int, global_batch: int, state: dict | None = None
+    cfg, opts, steps: int, global_batch: int, state: dict | None = None, model=None
 ) -> list[dict[str, float]]:
-    """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective."""
+    """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective.
+    `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
     from dstrain.model import build_model
     from dstrain.training.objective import Weights, count_targets, micro_loss
     from dstrain.training.options import min_lr
@@ -110,7 +111,8 @@ def reference_run(
 
     t = opts.train
     torch.manual_seed(t.seed)
-    model = build_model(cfg, dtype=torch.float32, seed=t.seed)
+    if model is None:
+        model = build_model(cfg, dtype=torch.float32, seed=t.seed)
     opt = torch.optim.AdamW(
         param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
     )

@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 
 import torch
+from torch import nn
 
 from .config import ModelConfig, get_config
-from .hf import DEFAULT_SHARD_BYTES, hf_to_dstrain, iter_checkpoint, save_hf_tensors, to_hf
+from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf
 from .model import DeepSeekLM
+from .reader import HFReader
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FP8_BLOCK = 128
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -59,11 +61,93 @@ def _checkpoint_dtype(path: str) -> torch.dtype | None:
     return _DTYPES.get(str(name).removeprefix("torch.")) if name else None
 
 
-def _dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3's published FP8 weights: one scale per 128x128 block."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return weight.float() * scale
+def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtype | None = None) -> None:
+    """Give every meta parameter and buffer of `module` real (uninitialised) memory on `device`, keeping the
+    Parameter's attributes (parallel layouts tag shards on them) and ties; `Module.to_empty` would drop both."""
+    done: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:
+                    want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    if name == "e_score_correction_bias":
+                        want = torch.float32
+                    data = torch.empty(t.shape, dtype=want, device=device)
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(data, requires_grad=t.requires_grad)
+                        new.__dict__.update(t.__dict__)
+                        done[id(t)] = new
+                    else:
+                        done[id(t)] = data
+                table[name] = done[id(t)]
+
+
+def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, rank, size) of a tensor- or expert-parallel slice, None for a whole tensor."""
+    return getattr(t, "tp_shard", None) or getattr(t, "ep_shard", None)
+
+
+def local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights a checkpoint fills: parameters and the expert bias, LoRA adapters excluded."""
+    out = [(n, p) for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))]
+    return out + [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+
+
+def fresh_init_(name: str, t: torch.Tensor, std: float, seed: int, part: str = "") -> None:
+    """A tensor the checkpoint lacks, initialised as `init_weights` would, from a generator seeded by the
+    name and shard (`part` names a ZeRO-3 partition), so replicated copies on different ranks agree without
+    communication."""
+    if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+        t.zero_()
+    elif name.endswith("norm.weight"):
+        t.fill_(1.0)
+    else:
+        gen = torch.Generator(device=t.device)
+        gen.manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}{shard_of(t)}{part}".encode())) % 2**63)
+        t.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def fill_from_hf(model: DeepSeekLM, reader: HFReader, seed: int = 0) -> list[str]:
+    """Copy each local tensor of `model` (not on meta: another pipeline stage's; a `tp_shard`/`ep_shard`
+    slice reads only that slice) from the checkpoint. Missing MTP modules start fresh (with a warning), a
+    missing expert bias at zero. -> the keys that were missing."""
+    cfg = model.config
+    tensors = local_tensors(model)
+    missing = reader.check([n for n, _ in tensors])
+    for name, t in tensors:
+        if t.is_meta:
+            continue
+        if name in missing:
+            fresh_init_(name, t, cfg.initializer_range, seed)
+            continue
+        shard = shard_of(t)
+        want = list(t.shape)
+        if shard is not None:
+            want[shard[0]] *= shard[2]
+        if list(reader.full_shape(name)) != want:
+            raise ValueError(
+                f"{reader.path}: {name} has shape {reader.full_shape(name)}, the config implies {tuple(want)}"
+            )
+        if shard is None:
+            t.copy_(reader.read(name))
+        else:
+            dim, rank, size = shard
+            part = want[dim] // size
+            t.copy_(reader.read(name, dim, rank * part, (rank + 1) * part))
+    warn_fresh_mtp(reader.path, cfg, missing)
+    return missing
+
+
+def warn_fresh_mtp(path: str, cfg: ModelConfig, missing: list[str]) -> None:
+    if any(k.startswith("mtp.") for k in missing):
+        log.warning(
+            "%s has no MTP weights (num_nextn_predict_layers=%d): MTP modules are initialised fresh",
+            path,
+            cfg.num_nextn_predict_layers,
+        )
 
 
 def from_pretrained(
@@ -72,6 +156,7 @@ def from_pretrained(
     device: str | torch.device = "cpu",
     allow_unsafe_pickle: bool = False,
     config: ModelConfig | None = None,
+    seed: int = 0,
 ) -> DeepSeekLM:
     """Load an HF DeepSeek-V3/V2 folder (config.json + safetensors, single or sharded) tensor by tensor.
 
@@ -81,101 +166,21 @@ def from_pretrained(
     path = str(path)
     cfg = config or ModelConfig.from_folder(path)
     dtype = parse_dtype(dtype) or _checkpoint_dtype(path) or torch.float32
-    model = build_model(cfg, device=device, dtype=dtype, init=False)
-    state = model.state_dict(keep_vars=True)
-    filled: dict[str, set] = {k: set() for k in state}
-    pending_fp8: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    shared_copies: dict[str, torch.Tensor] = {}
-
-    def place(hf_key: str, t: torch.Tensor) -> None:
-        try:
-            tgt = hf_to_dstrain(hf_key, cfg)
-        except KeyError:
-            unexpected.append(hf_key)
-            return
-        if tgt.shared:
-            shared_copies[hf_key] = t
-            return
-        param = state[tgt.key]
-        dest = param.data
-        if tgt.expert is not None:
-            dest = dest[tgt.expert]
-            if tgt.half is not None:
-                i = cfg.moe_intermediate_size
-                dest = dest[tgt.half * i : (tgt.half + 1) * i]
-        if dest.shape != t.shape:
-            raise ValueError(
-                f"{path}: {hf_key} has shape {tuple(t.shape)}, the config implies {tuple(dest.shape)}"
-            )
-        dest.copy_(t)
-        filled[tgt.key].add((tgt.expert, tgt.half))
-
-    with torch.no_grad():
-        for hf_key, t in iter_checkpoint(path, allow_unsafe_pickle):
-            if hf_key.endswith(".weight_scale_inv"):
-                base = hf_key.removesuffix("_scale_inv")
-                if base in pending_fp8:
-                    place(base, _dequantize_fp8(pending_fp8.pop(base), t))
-                else:
-                    scales[base] = t
-            elif t.dtype == getattr(torch, "float8_e4m3fn", None):
-                if hf_key in scales:
-                    place(hf_key, _dequantize_fp8(t, scales.pop(hf_key)))
-                else:
-                    pending_fp8[hf_key] = t
-            else:
-                place(hf_key, t)
-    if pending_fp8:
-        raise ValueError(f"{path}: FP8 tensor {next(iter(pending_fp8))} has no weight_scale_inv")
-    if unexpected:
-        raise ValueError(
-            f"{path}: {len(unexpected)} tensors the config does not describe, e.g. {unexpected[0]}"
-        )
-    _check_shared_copies(shared_copies, state, cfg)
-    if cfg.tie_word_embeddings:
-        filled["lm_head.weight"] = filled["embed_tokens.weight"]
-    partial = [k for k, got in filled.items() if got and len(got) < _pieces(k, cfg)]
-    if partial:
-        raise ValueError(f"{path}: some experts of {partial[0]} are missing from the checkpoint")
-    missing = [k for k, got in filled.items() if not got]
-    missing_mtp = [k for k in missing if k.startswith("mtp.")]
-    other = [k for k in missing if not k.startswith("mtp.") and not k.endswith("e_score_correction_bias")]
-    if other:
-        raise ValueError(f"{path}: {len(other)} tensors missing from the checkpoint, e.g. {other[0]}")
-    with torch.no_grad():
-        for key in missing:
-            if key.endswith("e_score_correction_bias"):
-                state[key].data.zero_()
-    if missing_mtp:
-        log.warning(
-            "%s has no MTP weights (num_nextn_predict_layers=%d): MTP modules are initialised fresh",
-            path,
-            cfg.num_nextn_predict_layers,
-        )
-        model.init_weights(modules=list(model.mtp))
+    with torch.device("meta"):
+        model = DeepSeekLM(cfg)
+    materialize(model, device, dtype)
+    with HFReader(path, cfg, allow_unsafe_pickle) as reader:
+        fill_from_hf(model, reader, seed)
+        _check_shared_copies(reader, model)
     return model
 
 
-def _pieces(key: str, cfg: ModelConfig) -> int:
-    """How many HF tensors fill one dstrain tensor."""
-    if key.endswith("experts.gate_up_proj"):
-        return 2 * cfg.n_routed_experts
-    if key.endswith("experts.down_proj"):
-        return cfg.n_routed_experts
-    return 1
-
-
-def _check_shared_copies(
-    copies: dict[str, torch.Tensor], state: dict[str, torch.Tensor], cfg: ModelConfig
-) -> None:
-    for hf_key, t in copies.items():
-        tgt = hf_to_dstrain(hf_key, cfg)
-        if not torch.equal(t.to(state[tgt.key].dtype), state[tgt.key].data):
-            log.warning(
-                "%s differs from %s; dstrain ties MTP embedding/head to the main ones", hf_key, tgt.key
-            )
+def _check_shared_copies(reader: HFReader, model: DeepSeekLM) -> None:
+    state = model.state_dict()
+    for hf_key, t in reader.read_shared_copies().items():
+        key = reader.shared[hf_key]
+        if not torch.equal(t.to(state[key].dtype), state[key]):
+            log.warning("%s differs from %s; dstrain ties MTP embedding/head to the main ones", hf_key, key)
 
 
 def save_pretrained(

@@ -6,9 +6,11 @@ import contextlib
 import io
 from typing import Any
 
+import torch
 from torch import nn
 
 from dstrain.model import DeepSeekLM
+from dstrain.model.loading import materialize
 
 from .dims import Groups, ParallelDims
 from .ep import apply_expert_parallel, create_deepspeed_expert_groups
@@ -23,9 +25,12 @@ def parallelize(
     *,
     partition: str = "parameters",
     seed: int = 0,
+    device: str | torch.device = "cpu",
     quiet: bool = True,
 ) -> tuple[nn.Module, Any]:
     """Tensor parallel, then expert parallel (both swap modules in place), then pipeline stages.
+    `model` may be on the meta device: only what this rank keeps then gets memory (uninitialised, for the
+    caller to fill), so no rank ever holds the whole model.
     -> (module, mpu): the module for deepspeed.initialize, and the grid DeepSpeed reads the data-parallel
     and model-parallel groups from (the PipelineModule's own under pipelining)."""
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
@@ -35,10 +40,11 @@ def parallelize(
     # DeepSpeed prints its topology and stage table on rank 0; dstrain reports the layout itself.
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         if dims.pp > 1:
-            module: nn.Module = build_pipeline(model, dims, partition, seed)
+            module: nn.Module = build_pipeline(model, dims, partition, seed, device)
             mpu = module.mpu()
         else:
             module = model
+            materialize(module, device)
             mpu = PipelineParallelGrid(
                 topology=PipeModelDataParallelTopology(num_pp=1, num_mp=dims.tp, num_dp=dims.dp)
             )

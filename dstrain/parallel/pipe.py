@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dstrain.model.loading import materialize
 from dstrain.model.model import DeepSeekLM, ModelOutput, MoE
 
 
@@ -50,9 +51,15 @@ class Embed(nn.Module):
         # A leaf with a gradient: the pipeline sends back a gradient for every floating tensor it sends.
         aux = torch.zeros((), device=input_ids.device, requires_grad=True)
         if not self.depth:
-            return self.embed_tokens(input_ids), pos, aux
-        ext = self.embed_tokens(F.pad(input_ids, (0, self.depth)))
+            return _grad_carrying(self.embed_tokens(input_ids)), pos, aux
+        ext = _grad_carrying(self.embed_tokens(F.pad(input_ids, (0, self.depth))))
         return ext[:, :t].contiguous(), pos, aux, ext
+
+
+def _grad_carrying(t: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed runs backward from every floating tensor a stage sends: with frozen weights upstream (LoRA,
+    a frozen embedding) it would have no graph, so make it a leaf that takes the gradient and drops it."""
+    return t if t.requires_grad else t.detach().requires_grad_()
 
 
 class BlockLayer(nn.Module):
@@ -70,7 +77,7 @@ class BlockLayer(nn.Module):
         rope, layout = self._ctx(pos)
         aux_terms: list[torch.Tensor] = []
         loads: list[torch.Tensor] = []
-        h = self._lm.run_block(self.block, h, rope, layout, aux_terms, loads)
+        h = _grad_carrying(self._lm.run_block(self.block, h, rope, layout, aux_terms, loads))
         if aux_terms:
             aux = aux + aux_terms[0].to(aux.dtype)
             load = loads[0].detach().double()
@@ -132,8 +139,11 @@ def parse_partition(spec: str, pp: int, n_layers: int) -> str | list[int]:
     return [0, *(f + 1 for f in firsts), n_layers + 2]
 
 
-def build_pipeline(lm: DeepSeekLM, dims: Any, partition: str, seed: int) -> nn.Module:
-    """The PipelineModule; every rank passes the whole (built) model, the other stages' layers are freed."""
+def build_pipeline(
+    lm: DeepSeekLM, dims: Any, partition: str, seed: int, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The PipelineModule. Every rank passes the whole model, built or on the meta device: the other stages'
+    layers end on meta (freed), this stage's get memory if they have none (to be filled by the caller)."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -147,6 +157,10 @@ def build_pipeline(lm: DeepSeekLM, dims: Any, partition: str, seed: int) -> nn.M
                 self.parts = explicit
                 return
             super()._partition_layers(method)
+
+        def _build(self) -> None:
+            super()._build()
+            materialize(self, device)  # before PipelineModule moves its layers, which meta tensors refuse
 
     explicit = method
     pipe = _Pipe(

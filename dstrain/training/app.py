@@ -122,6 +122,12 @@ def run(argv: list[str]) -> int:
         say(f"dstrain: resuming from {resume}")
     trainer = Trainer(opts, info, ds, output_dir, resume_path=resume)
     trainer.setup()
+    if trainer.load_stats:
+        ls, mib = trainer.load_stats, 2**20
+        say(
+            f"dstrain: loaded {t.model}: rank 0 read {ls['bytes_read'] / mib:.0f} of "
+            f"{ls['checkpoint_bytes'] / mib:.0f} MiB, peak memory +{ls['peak_rss_growth'] / mib:.0f} MiB while loading"
+        )
     summary = trainer.run()
     last = trainer.history[-1] if trainer.history else None
     if last is not None:

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from dstrain.lora import apply_finetune_options
-from dstrain.model import ModelConfig, build_model, flops_per_token, from_pretrained, get_config
+from dstrain.model import ModelConfig, flops_per_token, get_config
 
 from . import checkpoint, dist
+from .build import build_for_training
 from .dist import DistInfo
 from .ds_config import engine_config, parallel_dims
 from .errors import CheckpointError, ConfigError, NonFiniteLossError
@@ -53,8 +53,12 @@ def apply_overrides(cfg: ModelConfig, opts: Options) -> ModelConfig:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices only: norms' gains and biases are not penalised (the expert bias is a buffer). Named, so
     DeepSpeed can split expert-parallel weights into groups of their own."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+
+    def ndim(p: torch.Tensor) -> int:  # a ZeRO-3 partitioned parameter is flat; its ds_shape is the real one
+        return len(getattr(p, "ds_shape", p.shape))
+
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
     return [
         {"name": "decay", "params": decay, "weight_decay": weight_decay},
         {"name": "no_decay", "params": rest, "weight_decay": 0.0},
@@ -92,6 +96,7 @@ class Trainer:
         self.dims = parallel_dims(ds_config, info.world_size)
         _, self.dp_rank, self.tp_rank = self.dims.coords(info.rank)
         self.groups: Any = None
+        self.load_stats: dict[str, Any] = {}
         self.pipe = self.dims.pp > 1
 
     # ------------------------------------------------------------------ setup
@@ -102,15 +107,11 @@ class Trainer:
         if self.loader is None:  # first: a data error surfaces before the model is built
             self.loader, self.tokenizer = self._build_loader()
         seed_everything(t.seed, self.info.rank)
-        if os.path.isdir(t.model):
-            model = from_pretrained(t.model, dtype=torch.float32)
-            for k in ("bias_update_speed", "aux_loss_alpha", "mtp_loss_weight"):
-                setattr(model.config, k, getattr(self.cfg, k))
-            model.to(self.info.device)
-        else:
-            model = build_model(self.cfg, device=self.info.device, dtype=torch.float32, seed=t.seed)
-        self.cfg = model.config
-        apply_finetune_options(model, t)
+        # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
+        deepspeed.utils.groups.mpu = None
+        built = build_for_training(t, self.cfg, self.dims, self.info.rank, self.info.device, self.ds)
+        model, module, mpu = built.model, built.module, built.mpu
+        self.groups, self.load_stats = built.groups, built.load
         model.set_activation_checkpointing(t.activation_checkpointing)
         model.train()
         sched = make_scheduler_factory(
@@ -120,15 +121,6 @@ class Trainer:
             max_steps=t.max_steps,
             schedule=t.lr_schedule,
         )
-        module, mpu = model, None
-        # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
-        deepspeed.utils.groups.mpu = None
-        if self.dims.model_parallel:
-            from dstrain.parallel import build_groups
-            from dstrain.parallel.apply import parallelize
-
-            self.groups = build_groups(self.dims, self.info.rank)
-            module, mpu = parallelize(model, self.dims, self.groups, partition=t.pp_partition, seed=t.seed)
         self.engine, _, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=param_groups(module, t.weight_decay),

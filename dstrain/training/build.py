@@ -1,0 +1,161 @@
+"""The model the trainer hands to DeepSpeed, in the training layout: built fresh, or loaded from a Hugging Face
+folder so that no rank holds more of it than it trains.
+
+- ZeRO-3: built under DeepSpeed's partitioned init (each module's weights are split across ranks as soon as
+  it is constructed), then each rank copies in its own flat partition of every tensor, reading only the rows
+  that partition covers.
+- Pipeline / tensor / expert parallel: built on the meta device, parallelised there, and only what this rank
+  keeps gets memory; each rank reads its stages' layers and its TP/EP slices.
+- ZeRO-0/1/2 data parallel keeps the whole model on every rank by design; the model is read once per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dstrain.lora import apply_finetune_options, init_adapters
+from dstrain.model import DeepSeekLM, ModelConfig, build_model
+from dstrain.model.loading import fill_from_hf, fresh_init_, local_tensors, materialize, warn_fresh_mtp
+from dstrain.model.reader import HFReader
+
+from .ds_config import engine_config
+
+
+@dataclass
+class Built:
+    model: DeepSeekLM  # the single-device view: other pipeline stages' layers stay on meta
+    module: nn.Module  # what deepspeed.initialize gets
+    mpu: Any = None
+    groups: Any = None
+    load: dict[str, Any] = field(default_factory=dict)  # loading figures, empty when built fresh
+
+
+def build_for_training(
+    t: Any, cfg: ModelConfig, dims: Any, rank: int, device: torch.device, ds: dict[str, Any]
+) -> Built:
+    """`t`: TrainOptions; `cfg`: the model config (the folder's, with dstrain's overrides)."""
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if not os.path.isdir(t.model):
+        model = build_model(cfg, device=device, dtype=torch.float32, seed=t.seed)
+        apply_finetune_options(model, t)
+        return _parallel(model, t, dims, rank, device)
+    with PeakRSS() as peak, HFReader(t.model, cfg) as reader:
+        if stage == 3:
+            model = _zero3_from_hf(cfg, reader, ds, t.seed)
+            apply_finetune_options(model, t)
+            built = Built(model, model)
+        else:
+            with torch.device("meta"):
+                model = DeepSeekLM(cfg)
+            apply_finetune_options(model, t)
+            built = _parallel(model, t, dims, rank, device)  # gives this rank's tensors memory
+            if not dims.model_parallel:
+                materialize(model, device)
+            fill_from_hf(model, reader, t.seed)
+            init_adapters(model, t.seed)
+        built.load = {"bytes_read": reader.bytes_read, "checkpoint_bytes": reader.total_bytes}
+    built.load["peak_rss_growth"] = peak.growth
+    return built
+
+
+def _parallel(model: DeepSeekLM, t: Any, dims: Any, rank: int, device: torch.device) -> Built:
+    if not dims.model_parallel:
+        return Built(model, model)
+    from dstrain.parallel import build_groups
+    from dstrain.parallel.apply import parallelize
+
+    groups = build_groups(dims, rank)
+    module, mpu = parallelize(model, dims, groups, partition=t.pp_partition, seed=t.seed, device=device)
+    return Built(model, module, mpu, groups)
+
+
+@torch.no_grad()
+def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed: int) -> DeepSeekLM:
+    import deepspeed
+    import torch.distributed as tdist
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    NVME = OffloadDeviceEnum.nvme  # noqa: N806
+
+    with deepspeed.zero.Init(config_dict_or_path=engine_config(ds)):
+        model = DeepSeekLM(cfg)
+    for router in model.routers():
+        # zero.Init casts buffers to the training dtype; bf16 would swallow the bias updates (γ ~ 1e-3)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias = router.e_score_correction_bias.float()
+    tensors = local_tensors(model)
+    missing = reader.check([n for n, _ in tensors])
+    for name, t in tensors:
+        if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated
+            t.copy_(reader.read(name)) if name not in missing else t.zero_()
+            continue
+        if name not in missing and tuple(reader.full_shape(name)) != tuple(t.ds_shape):
+            raise ValueError(
+                f"{reader.path}: {name} has shape {reader.full_shape(name)}, the config implies "
+                f"{tuple(t.ds_shape)}"
+            )
+        part = t.ds_tensor
+        if (
+            getattr(t, "ds_secondary_tensor", None) is not None
+            or getattr(part, "final_location", None) == NVME
+        ):
+            # hierarchical partitions or NVMe offload: let DeepSpeed spread one rank's whole copy
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+                if tdist.get_rank() == 0:
+                    _fill_whole(t, name, reader, missing, cfg, seed)
+            continue
+        start = tdist.get_rank(group=t.ds_process_group) * part.numel()
+        if name in missing:
+            fresh_init_(name, part.data, cfg.initializer_range, seed, part=str(start))
+        else:
+            part.data.copy_(reader.read_flat(name, start, start + part.numel()))
+    warn_fresh_mtp(reader.path, cfg, missing)
+    return model
+
+
+def _fill_whole(
+    t: torch.Tensor, name: str, reader: HFReader, missing: list[str], cfg: ModelConfig, seed: int
+) -> None:
+    if name in missing:
+        fresh_init_(name, t.data, cfg.initializer_range, seed)
+    else:
+        t.data.copy_(reader.read(name))
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs, above what it held when it started
+    (sampled every 5 ms from /proc; 0 where /proc is missing)."""
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
