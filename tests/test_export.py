@@ -142,3 +142,32 @@ def test_adapter_only_loads_with_peft(tmp_path, capsys):
     ckpt2 = fake_checkpoint(tmp_path / "r" / "step_00000000", again, base)
     assert ex.main([str(ckpt2), "--out", str(tmp_path / "a2"), "--adapter_only"]) == 2
     assert "the routers were trained too" in capsys.readouterr().err
+
+
+def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
+    """A V2-Lite-shaped folder transformers wrote (no q_lora_rank, softmax routing, no expert bias, no MTP):
+    0 steps -> export gives its exact bits back as deepseek_v2; 2 LoRA steps -> merged export loads in
+    transformers with dstrain's logits."""
+    from hf_fixtures import v2_config
+    from test_lora import train
+
+    from dstrain.data.testing import byte_tokenizer
+
+    src = tmp_path / "v2"
+    make_hf_model(v2_config(topk_method="greedy", n_group=1, topk_group=1)).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    run = f"--model {src} --output_dir {tmp_path / 'run'} --lora_r 4 --lora_targets q_proj,o_proj".split()
+    run.append("--no-train_router")
+    train([*run, "--max_steps", "0"])
+    train([*run, "--max_steps", "2", "--resume", "auto"])
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert ex.main([str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0
+    want, got = read_folder(src), read_folder(tmp_path / "out0")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "out0" / "config.json").read_text())["model_type"] == "deepseek_v2"
+    capsys.readouterr()
+    assert ex.main([str(ckpts / "step_00000002"), "--out", str(tmp_path / "out2"), "--verify"]) == 0
+    assert "verify: max |logits diff|" in capsys.readouterr().out
+    merged = read_folder(tmp_path / "out2")
+    changed = [k for k in want if not torch.equal(merged[k], want[k])]
+    assert changed and all(k.endswith(("q_proj.weight", "o_proj.weight")) for k in changed), changed
