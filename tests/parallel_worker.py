@@ -54,6 +54,7 @@ FINETUNE = {
     "ft_ep2": "--config zero2 --ep 2",
     "ft_z3_lora": "--config zero3 --lora_r 4 --lora_alpha 8",
     "ft_pp2_lora": "--config zero1 --pp 2 --lora_r 4 --lora_alpha 8",
+    "ft_z3_hpz": "--config {out}/zero3_hpz.json",  # ZeRO++ secondary partitions: filled through one rank
 }
 FT_STEPS = 3
 
@@ -116,14 +117,25 @@ def held_bytes(model) -> int:  # noqa: ANN001
 
 def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
     """Each layout: --max_steps 0 (the loaded weights, checkpointed as they are) and FT_STEPS steps."""
+    from deepspeed.utils import groups as deepspeed_groups
+
     from dstrain.training import dist
 
     info = dist.init_distributed()
+    hpz = json.loads((Path(__file__).parents[1] / "ds_configs" / "zero3.json").read_text())
+    hpz["zero_optimization"]["zero_hpz_partition_size"] = 2
+    Path(out, "zero3_hpz.json").write_text(json.dumps(hpz))
     for name in layouts:
         res = {}
         for steps in (0, FT_STEPS):
+            # DeepSpeed creates the ZeRO++ group once per process and asserts on a second zero.Init
+            deepspeed_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
             tr = trainer(
-                FINETUNE[name], f"{out}/{name}/steps{steps}", info, extra=f"--max_steps {steps}", hf=folder
+                FINETUNE[name].format(out=out),
+                f"{out}/{name}/steps{steps}",
+                info,
+                extra=f"--max_steps {steps}",
+                hf=folder,
             )
             tr.run()
             res[steps] = {
