@@ -4,6 +4,7 @@ or as a PEFT adapter, --verify against transformers, and the user errors."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import torch
@@ -158,7 +159,9 @@ def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
     byte_tokenizer().save_pretrained(src)
     run = f"--model {src} --output_dir {tmp_path / 'run'} --lora_r 4 --lora_targets q_proj,o_proj".split()
     run.append("--no-train_router")
-    train([*run, "--max_steps", "0"])
+    assert re.search(
+        r"dstrain: loaded .*v2: rank 0 read \d+ KiB of \d+ KiB", train([*run, "--max_steps", "0"]).stdout
+    )
     train([*run, "--max_steps", "2", "--resume", "auto"])
     ckpts = tmp_path / "run" / "checkpoints"
     assert ex.main([str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0

@@ -72,6 +72,15 @@ def validate(argv: list[str]) -> tuple[Options, dict, str]:
     return opts, ds, precision
 
 
+def size(n: float) -> str:
+    """Bytes for people: 512 B, 49 KiB, 47.7 MiB, 7.5 GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit == "MiB" else f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def default_output_dir(model: str) -> str:
     name = Path(model).name if os.path.isdir(model) else model
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -123,10 +132,10 @@ def run(argv: list[str]) -> int:
     trainer = Trainer(opts, info, ds, output_dir, resume_path=resume)
     trainer.setup()
     if trainer.load_stats:
-        ls, mib = trainer.load_stats, 2**20
+        ls = trainer.load_stats
         say(
-            f"dstrain: loaded {t.model}: rank 0 read {ls['bytes_read'] / mib:.0f} of "
-            f"{ls['checkpoint_bytes'] / mib:.0f} MiB, peak memory +{ls['peak_rss_growth'] / mib:.0f} MiB while loading"
+            f"dstrain: loaded {t.model}: rank 0 read {size(ls['bytes_read'])} of {size(ls['checkpoint_bytes'])}, "
+            f"peak memory +{size(ls['peak_rss_growth'])} while loading"
         )
     summary = trainer.run()
     last = trainer.history[-1] if trainer.history else None
