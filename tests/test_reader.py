@@ -105,3 +105,55 @@ def test_fp8_slices_dequantize_blockwise(tmp_path, folder):
     with HFReader(tmp_path / "fp8", get_config(folder)) as reader:
         want = q.float() * 0.01
         assert torch.equal(reader.read("layers.0.mlp.gate_proj.weight", 0, 3, 9), want[3:9])
+
+
+def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path, folder, capsys):
+    """Missing tensor, wrong shape, pickle only: `dstrain train --model` exits 2 with one line naming it,
+    from the files' headers, before any process group or allocation."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from dstrain.training.app import main
+
+    def broken(name: str, edit) -> str:  # noqa: ANN001
+        path = tmp_path / name
+        shutil.copytree(folder, path)
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                sd = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+            if edit(sd, f):
+                save_file(sd, f, metadata={"format": "pt"})
+        return str(path)
+
+    def drop_norm(sd, f) -> bool:  # noqa: ANN001
+        return sd.pop("model.norm.weight", None) is not None
+
+    def widen_o_proj(sd, f) -> bool:  # noqa: ANN001
+        key = "model.layers.0.self_attn.o_proj.weight"
+        if key in sd:
+            sd[key] = torch.zeros(sd[key].shape[0], sd[key].shape[1] + 1)
+        return key in sd
+
+    def to_pickle(sd, f) -> bool:  # noqa: ANN001
+        torch.save(sd, f.with_suffix(".bin"))
+        f.unlink()
+        return False
+
+    stale = broken("stale_index", drop_norm)
+    no_norm = broken("no_norm", drop_norm)
+    index = json.loads((tmp_path / "no_norm" / SAFE_INDEX).read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (tmp_path / "no_norm" / SAFE_INDEX).write_text(json.dumps(index))
+    cases = {
+        stale: "the index puts model.norm.weight in model-0000",
+        no_norm: "1 tensors missing from the checkpoint, e.g. norm.weight",
+        broken("wide", widen_o_proj): "layers.0.self_attn.o_proj.weight has shape",
+        broken("pickle", to_pickle): "holds only pickle weights",
+    }
+    (tmp_path / "pickle" / SAFE_INDEX).unlink()
+    for path, message in cases.items():
+        assert main(["--model", path, "--max_steps", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"dstrain: error: --model {path}: ") and message in err, err
+        assert "\n" not in err

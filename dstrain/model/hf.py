@@ -173,8 +173,8 @@ def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False)
     bins = _pickle_files(path)
     if bins and not allow_unsafe_pickle:
         raise ValueError(
-            f"{path} holds only pickle weights ({bins[0]}): dstrain loads safetensors; convert them, or pass "
-            "allow_unsafe_pickle=True (--allow_unsafe_pickle) if you trust the files"
+            f"{path} holds only pickle weights ({bins[0]}): dstrain loads safetensors; convert them (in Python, "
+            "from_pretrained(..., allow_unsafe_pickle=True) reads them if you trust the files)"
         )
     if bins:
         return {}

@@ -115,29 +115,35 @@ def fill_from_hf(model: DeepSeekLM, reader: HFReader, seed: int = 0) -> list[str
     slice reads only that slice) from the checkpoint. Missing MTP modules start fresh (with a warning), a
     missing expert bias at zero. -> the keys that were missing."""
     cfg = model.config
-    tensors = local_tensors(model)
-    missing = reader.check([n for n, _ in tensors])
-    for name, t in tensors:
+    missing = check_folder(reader, cfg)
+    for name, t in local_tensors(model):
         if t.is_meta:
             continue
         if name in missing:
             fresh_init_(name, t, cfg.initializer_range, seed)
             continue
         shard = shard_of(t)
-        want = list(t.shape)
-        if shard is not None:
-            want[shard[0]] *= shard[2]
-        if list(reader.full_shape(name)) != want:
-            raise ValueError(
-                f"{reader.path}: {name} has shape {reader.full_shape(name)}, the config implies {tuple(want)}"
-            )
         if shard is None:
             t.copy_(reader.read(name))
         else:
             dim, rank, size = shard
-            part = want[dim] // size
+            part = t.shape[dim]
             t.copy_(reader.read(name, dim, rank * part, (rank + 1) * part))
     warn_fresh_mtp(reader.path, cfg, missing)
+    return missing
+
+
+def check_folder(reader: HFReader, cfg: ModelConfig) -> list[str]:
+    """Every tensor the model `cfg` describes is in the folder with its shape (from the files' headers, nothing
+    read). -> the keys that may start fresh (MTP modules, the expert bias); anything else is a ValueError."""
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in local_tensors(DeepSeekLM(cfg))}
+    missing = reader.check(list(shapes))
+    for name, shape in shapes.items():
+        if name not in missing and reader.full_shape(name) != shape:
+            raise ValueError(
+                f"{reader.path}: {name} has shape {reader.full_shape(name)}, the config implies {shape}"
+            )
     return missing
 
 

@@ -158,10 +158,18 @@ class HFReader:
             self._handles[file] = SafetensorsFile(file)
         return self._handles[file]
 
+    def _entry(self, hf_key: str) -> dict[str, Any]:
+        handle = self._handle(hf_key)
+        if hf_key not in handle.entries:
+            raise ValueError(
+                f"{self.path}: the index puts {hf_key} in {os.path.basename(handle.path)}, which lacks it"
+            )
+        return handle.entries[hf_key]
+
     def _shape(self, hf_key: str) -> tuple[int, ...]:
         if hf_key in self._pickled:
             return tuple(self._pickled[hf_key].shape)
-        return tuple(self._handle(hf_key).entries[hf_key]["shape"])
+        return tuple(self._entry(hf_key)["shape"])
 
     def _dtype(self, key: str) -> torch.dtype:
         hf_key = next(iter(self.sources[key].values()))
@@ -186,7 +194,7 @@ class HFReader:
     def _raw_dtype(self, hf_key: str) -> torch.dtype:
         if hf_key in self._pickled:
             return self._pickled[hf_key].dtype
-        name = self._handle(hf_key).entries[hf_key]["dtype"]
+        name = self._entry(hf_key)["dtype"]
         if name not in _SAFE_DTYPES:
             raise ValueError(f"{self.path}: {hf_key} has dtype {name}, which dstrain does not read")
         return _SAFE_DTYPES[name]

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from dstrain.data import DataError
+from dstrain.model import ModelConfig
 
 from . import checkpoint, dist
 from .ds_config import (
@@ -69,7 +70,22 @@ def validate(argv: list[str]) -> tuple[Options, dict, str]:
             )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if os.path.isdir(opts.train.model):
+        check_model_folder(opts.train.model, cfg)
     return opts, ds, precision
+
+
+def check_model_folder(path: str, cfg: ModelConfig) -> None:
+    """A folder that does not fit its own config.json is a one-line error here, before any process group or
+    allocation (headers only: nothing is read)."""
+    from dstrain.model.loading import check_folder
+    from dstrain.model.reader import HFReader
+
+    try:
+        with HFReader(path, cfg) as reader:
+            check_folder(reader, cfg)
+    except ValueError as exc:
+        raise ConfigError(f"--model {path}: {exc}") from None
 
 
 def size(n: float) -> str:

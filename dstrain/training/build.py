@@ -21,7 +21,14 @@ from torch import nn
 
 from dstrain.lora import apply_finetune_options, init_adapters
 from dstrain.model import DeepSeekLM, ModelConfig, build_model
-from dstrain.model.loading import fill_from_hf, fresh_init_, local_tensors, materialize, warn_fresh_mtp
+from dstrain.model.loading import (
+    check_folder,
+    fill_from_hf,
+    fresh_init_,
+    local_tensors,
+    materialize,
+    warn_fresh_mtp,
+)
 from dstrain.model.reader import HFReader
 
 from .ds_config import engine_config
@@ -89,17 +96,11 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
         # zero.Init casts buffers to the training dtype; bf16 would swallow the bias updates (γ ~ 1e-3)
         if router.e_score_correction_bias is not None:
             router.e_score_correction_bias = router.e_score_correction_bias.float()
-    tensors = local_tensors(model)
-    missing = reader.check([n for n, _ in tensors])
-    for name, t in tensors:
+    missing = check_folder(reader, cfg)
+    for name, t in local_tensors(model):
         if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated
             t.copy_(reader.read(name)) if name not in missing else t.zero_()
             continue
-        if name not in missing and tuple(reader.full_shape(name)) != tuple(t.ds_shape):
-            raise ValueError(
-                f"{reader.path}: {name} has shape {reader.full_shape(name)}, the config implies "
-                f"{tuple(t.ds_shape)}"
-            )
         part = t.ds_tensor
         if (
             getattr(t, "ds_secondary_tensor", None) is not None
