@@ -157,3 +157,26 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"dstrain: error: --model {path}: ") and message in err, err
         assert "\n" not in err
+
+
+def test_fresh_init_follows_init_weights():
+    """What a folder lacks (MTP layers transformers dropped) starts as `init_weights` would start it."""
+    from test_train_support import tiny_config
+
+    from dstrain.model import build_model
+    from dstrain.model.loading import fresh_init_
+
+    model = build_model(tiny_config(), seed=0)
+    std = model.config.initializer_range
+    for name, t in local_tensors(model):
+        t = t.detach()
+        fresh = torch.full_like(t, float("nan"))
+        fresh_init_(name, fresh, std, seed=0)
+        for value in (t, fresh):
+            assert not value.isnan().any(), name
+            if torch.equal(t, torch.ones_like(t)) or not t.any():  # norms, biases, the expert bias
+                assert torch.equal(value, t), name
+            else:
+                assert abs(float(value.std()) - std) < 0.5 * std and abs(float(value.mean())) < 0.5 * std, (
+                    name
+                )
