@@ -59,9 +59,14 @@ FINETUNE = {
 FT_STEPS = 3
 
 
-def trainer(
-    flags: str, out_dir: str, info, resume: str | None = None, extra: str = "", hf: str | None = None
-):  # noqa: ANN001
+def trainer(  # noqa: ANN201
+    flags: str,
+    out_dir: str,
+    info,
+    resume: str | None = None,
+    extra: str = "",
+    hf: str | None = None,  # noqa: ANN001
+):
     from dstrain.model import get_config
     from dstrain.training.ds_config import load_ds_config, parallel_dims, resolve_ds_config
     from dstrain.training.trainer import Trainer
@@ -81,8 +86,10 @@ def trainer(
     _, dp_rank, _ = dims.coords(info.rank)
     t = opts.train
     loader = GlobalRows(t.micro_batch_size, t.gradient_accumulation_steps, dp_rank, dims.dp)
-    cfg = None if hf is not None else cfg  # from the folder, with the options' overrides
-    tr = Trainer(opts, info, ds, out_dir, model_config=cfg, loader=loader, resume_path=resume, verbose=False)
+    model_config = cfg if hf is None else None  # a folder's: read by the trainer, with the options' overrides
+    tr = Trainer(
+        opts, info, ds, out_dir, model_config=model_config, loader=loader, resume_path=resume, verbose=False
+    )
     tr.setup()
     return tr
 
