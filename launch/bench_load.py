@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ranks import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -80,19 +81,7 @@ def main() -> None:
                 "OMP_NUM_THREADS": "1",
                 "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
             }
-            with socket.socket() as sock:  # a free port per launch: torchrun's default 29500 may be taken
-                sock.bind(("127.0.0.1", 0))
-                port = str(sock.getsockname()[1])
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                port,
-            ]
-            cmd += [__file__, "--worker", folder, flags, out]
+            cmd = torchrun(2, __file__, "--worker", folder, flags, out)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
             if proc.returncode != 0:
                 print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)

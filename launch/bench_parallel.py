@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ranks import torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     2: {"dp2": "", "pp2": "--pp 2", "tp2": "--tp 2", "ep2": "--ep 2"},
@@ -106,8 +108,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     for n in args.nproc or (2, 4):
         print(f"== {n} ranks, ZeRO-1, fp32, global batch {ROWS} x {SEQ} tokens", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-               str(29700 + n), __file__, "--worker", str(n)]  # fmt: skip
+        cmd = torchrun(n, __file__, "--worker", str(n))
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from ranks import torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -248,24 +250,8 @@ def part_memory(port: int) -> dict:
 
     out = os.path.join(tempfile.mkdtemp(prefix="bench_mem_"), "memory.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        __file__,
-        "--part",
-        "memory-worker",
-        "--out",
-        out,
-        "--micro_batch_size",
-        "2",
-        "--seq_len",
-        "64",
-    ]
+    cmd = torchrun(2, __file__, "--part", "memory-worker", "--out", out, "--micro_batch_size", "2", "--seq_len", "64",
+                   port=port)  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-4000:])

@@ -87,9 +87,7 @@ def test_finetunes_like_one_process(finetuned, reference, name):
         for g, w in zip(hist, reference["lora" in name], strict=True)
     )
     print(name, f"max relative deviation {dev:.1e}")
-    for got, want in zip(hist, reference["lora" in name], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (name, got, want)
-        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"], (name, got, want)
+    assert dev <= 1e-5, (name, hist, reference["lora" in name])
 
 
 @pytest.mark.parametrize("name", list(FINETUNE))

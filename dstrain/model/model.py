@@ -103,6 +103,10 @@ class Router(nn.Module):
     """Top-k expert selection. V3: sigmoid scores, `e_score_correction_bias` added for selection only,
     groups ranked by the sum of their top-2 scores. V2: softmax, greedy or groups ranked by their max."""
 
+    # Kept fp32 under bf16 training, where bias steps of γ ~ 1e-3 would round away: `_apply` below covers
+    # `.to()` casts; DeepSpeed's zero.Init, which casts buffers itself, reads this transformers-style list.
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

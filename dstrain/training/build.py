@@ -92,10 +92,6 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
 
     with deepspeed.zero.Init(config_dict_or_path=engine_config(ds)):
         model = DeepSeekLM(cfg)
-    for router in model.routers():
-        # zero.Init casts buffers to the training dtype; bf16 would swallow the bias updates (γ ~ 1e-3)
-        if router.e_score_correction_bias is not None:
-            router.e_score_correction_bias = router.e_score_correction_bias.float()
     missing = check_folder(reader, cfg)
     for name, t in local_tensors(model):
         if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated
@@ -109,7 +105,10 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
             # hierarchical partitions or NVMe offload: let DeepSpeed spread one rank's whole copy
             with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
                 if tdist.get_rank() == 0:
-                    _fill_whole(t, name, reader, missing, cfg, seed)
+                    if name in missing:
+                        fresh_init_(name, t.data, cfg.initializer_range, seed)
+                    else:
+                        t.data.copy_(reader.read(name))
             continue
         start = tdist.get_rank(group=t.ds_process_group) * part.numel()
         if name in missing:
@@ -118,15 +117,6 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
             part.data.copy_(reader.read_flat(name, start, start + part.numel()))
     warn_fresh_mtp(reader.path, cfg, missing)
     return model
-
-
-def _fill_whole(
-    t: torch.Tensor, name: str, reader: HFReader, missing: list[str], cfg: ModelConfig, seed: int
-) -> None:
-    if name in missing:
-        fresh_init_(name, t.data, cfg.initializer_range, seed)
-    else:
-        t.data.copy_(reader.read(name))
 
 
 class PeakRSS:

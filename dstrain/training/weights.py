@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dstrain.model.loading import shard_of
+
 WEIGHTS_DIR = "weights"
 INDEX_RE = re.compile(r"^index-rank(\d+)\.json$")
 
@@ -44,10 +46,6 @@ def _writes(name: str, tensor: torch.Tensor, groups: Any, rank: int) -> bool:
     if hasattr(tensor, "ep_shard"):
         return groups.edp_rank == 0
     return groups.dp_rank == 0
-
-
-def _shard(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    return getattr(tensor, "tp_shard", None) or getattr(tensor, "ep_shard", None)
 
 
 def save_weights(
@@ -79,7 +77,7 @@ def save_weights(
         value = _full_fp32(tensor) if is_param else tensor.detach().float().cpu()
         if not _writes(name, tensor, groups, rank):
             continue
-        shard = _shard(tensor)
+        shard = shard_of(tensor)
         full = list(value.shape)
         if shard is not None:
             full[shard[0]] *= shard[2]
@@ -157,7 +155,7 @@ def load_local_weights(model: nn.Module, checkpoint_dir: Path) -> None:
             continue
         if name not in index:
             raise KeyError(f"{checkpoint_dir}: weights/ has no {name}")
-        shard = _shard(tensor)
+        shard = shard_of(tensor)
         pieces = index[name]["pieces"]
         piece = pieces[shard[1]] if shard is not None else pieces[0]
         with safe_open(str(root / piece["file"]), framework="pt") as f:
