@@ -11,7 +11,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dstrain.train", "train a model (same as `python dstrain/train.py`)"),
     "data": ("dstrain.data.cli", "inspect data: `dstrain data audit`, `dstrain data stats`"),
     "smoke": ("dstrain.model.smoke", "forward/backward/step of a preset model on random tokens"),
-    "export": ("dstrain.export", "checkpoint -> Hugging Face folder (LoRA merged) or PEFT adapter, --verify"),
+    "export": (
+        "dstrain.checkpoint.export",
+        "checkpoint -> Hugging Face folder (LoRA merged) or PEFT adapter, --verify",
+    ),
 }
 
 

@@ -46,16 +46,20 @@ def write_folder(path: Path) -> None:
 
 def worker(folder: str, flags: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from dstrain.training import dist
-    from dstrain.training.app import validate
+    from dstrain import dist
     from dstrain.training.build import build_for_training
-    from dstrain.training.ds_config import parallel_dims
-    from dstrain.training.trainer import model_config_for
+    from dstrain.training.options import parse_options
+    from dstrain.training.plan import prepare
 
-    opts, ds, _ = validate(["--model", folder, *flags.split(), "--micro_batch_size", "1", "--seq_len", "64"])
+    plan = prepare(
+        parse_options(["--model", folder, *flags.split(), "--micro_batch_size", "1", "--seq_len", "64"])
+    )
     info = dist.init_distributed()
-    dims = parallel_dims(ds, info.world_size)
-    built = build_for_training(opts.train, model_config_for(opts), dims, info.rank, info.device, ds)
+
+    def no_loss(out, n_global):  # noqa: ANN001, ANN202 - nothing trains here
+        raise AssertionError("bench_load builds the model only")
+
+    built = build_for_training(plan, info.rank, info.device, no_loss)
     held = 0
     for p in built.module.parameters():
         held += getattr(p, "ds_tensor", p).numel() * 4

@@ -36,10 +36,10 @@ def worker(nproc: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from dstrain import dist
     from dstrain.model import ModelConfig
-    from dstrain.training import dist
-    from dstrain.training.ds_config import load_ds_config, parallel_dims, resolve_ds_config
     from dstrain.training.options import parse_options
+    from dstrain.training.plan import prepare
     from dstrain.training.trainer import Trainer
 
     info = dist.init_distributed()
@@ -64,21 +64,14 @@ def worker(nproc: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for slot, name in enumerate(order):
             flags = f"--config zero1 {LAYOUTS[nproc][name]} --precision fp32 --save_every 0 --seq_len {SEQ}"
-            probe = parse_options(flags.split())
-            _, raw = load_ds_config("zero1")
-            dp = parallel_dims(resolve_ds_config(raw, probe.train, world_size=nproc, precision="fp32",
-                                                 hidden_size=256), nproc).dp  # fmt: skip
+            dp = prepare(parse_options(flags.split()), nproc, model=cfg).dims.dp
             micro = 2 if dp * 2 <= ROWS else 1
             ga = ROWS // (micro * dp)
             flags += (
                 f" --micro_batch_size {micro} --gradient_accumulation_steps {ga} --max_steps {WARMUP + TIMED}"
             )
-            opts = parse_options(flags.split())
-            ds = resolve_ds_config(raw, opts.train, world_size=nproc, precision="fp32", hidden_size=256)
-            opts.train.output_dir = f"{tmp}/{slot}"
-            tr = Trainer(
-                opts, info, ds, opts.train.output_dir, model_config=cfg, loader=Rows(micro), verbose=False
-            )
+            plan = prepare(parse_options(flags.split()), nproc, model=cfg).with_output_dir(f"{tmp}/{slot}")
+            tr = Trainer(plan, info, loader=Rows(micro), verbose=False)
             tr.setup()
             for _ in range(WARMUP):
                 tr.train_step()

@@ -87,34 +87,20 @@ class Repeat:
 
 
 def _trainer(stage: int, precision: str, world: int, out_dir: str, info, cfg: ModelConfig):  # noqa: ANN001
-    from dstrain.data import DataOptions
-    from dstrain.training.ds_config import load_ds_config, resolve_ds_config
+    """A set-up Trainer for ZeRO `stage` (0-3: the shipped config of that stage, or zero1's set to 0)."""
+    from dstrain.training.ds_config import load_ds_config
     from dstrain.training.options import parse_options
+    from dstrain.training.plan import prepare
     from dstrain.training.trainer import Trainer
 
-    opts = parse_options(
-        [
-            "--micro_batch_size",
-            str(MICRO),
-            "--seq_len",
-            str(SEQ),
-            "--max_steps",
-            "1000",
-            "--precision",
-            precision,
-            "--save_every",
-            "0",
-        ],
-        DataOptions,
-    )
     _, raw = load_ds_config(f"zero{max(stage, 1)}")
     raw["zero_optimization"]["stage"] = stage
-    ds = resolve_ds_config(
-        raw, opts.train, world_size=world, precision=precision, hidden_size=cfg.hidden_size
-    )
-    tr = Trainer(
-        opts, info, ds, out_dir, model_config=cfg, loader=Repeat(fixed_batch(info.rank)), verbose=False
-    )
+    config = Path(out_dir) / "ds_config.json"
+    config.write_text(json.dumps(raw))
+    flags = f"--config {config} --micro_batch_size {MICRO} --seq_len {SEQ} --max_steps 1000"
+    opts = parse_options([*flags.split(), "--precision", precision, "--save_every", "0"])
+    plan = prepare(opts, world, model=cfg).with_output_dir(out_dir)
+    tr = Trainer(plan, info, loader=Repeat(fixed_batch(info.rank)), verbose=False)
     tr.setup()
     return tr
 
@@ -123,7 +109,7 @@ def _trainer(stage: int, precision: str, world: int, out_dir: str, info, cfg: Mo
 def part_time(cycles: int) -> dict:
     import tempfile
 
-    from dstrain.training import dist
+    from dstrain import dist
     from dstrain.training.metrics import MetricsSink
 
     info = dist.init_distributed()
@@ -217,7 +203,7 @@ def held_bytes(engine) -> dict[str, int]:  # noqa: ANN001
 def memory_worker(out_json: str) -> None:
     import tempfile
 
-    from dstrain.training import dist
+    from dstrain import dist
 
     info = dist.init_distributed()
     cfg = bench_config()

@@ -9,8 +9,10 @@ Public API (the trainer's contract, see docs/interfaces.md):
     state = loader.state_dict(); loader.load_state_dict(state)
 """
 
+from dstrain.errors import DataError
+
 from .loader import Loader, build_loader
-from .options import DataError, DataOptions, field_help
+from .options import DataOptions, field_help
 from .tokenizer import load_tokenizer
 
 __all__ = ["DataError", "DataOptions", "Loader", "build_loader", "field_help", "load_tokenizer"]

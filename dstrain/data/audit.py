@@ -13,11 +13,14 @@ from collections import Counter
 
 import numpy as np
 
+from dstrain.batch import IGNORE_INDEX
+from dstrain.errors import DataError
+
 from .bench import read_docs
 from .chat import ChatEncoder
 from .formats import Skip
-from .options import DataError, DataOptions
-from .tokenizer import IGNORE, PretrainEncoder
+from .options import DataOptions
+from .tokenizer import PretrainEncoder
 
 FATAL = {"skipped_no_assistant"}
 CHUNK = 256
@@ -27,7 +30,7 @@ def marked(text: str, offsets: list, labels: np.ndarray, color: bool) -> str:
     """`text` with the characters of trained tokens wrapped in markers."""
     trained = np.zeros(len(text) + 1, dtype=bool)
     for (start, end), label in zip(offsets, labels):
-        if label != IGNORE:
+        if label != IGNORE_INDEX:
             trained[start:end] = True
     on, off = ("\x1b[1;32m", "\x1b[0m") if color else ("[[", "]]")
     out, inside = [], False

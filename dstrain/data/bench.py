@@ -19,9 +19,12 @@ import statistics
 import time
 from collections import Counter
 
+from dstrain.batch import IGNORE_INDEX
+from dstrain.errors import DataError
+
 from .chat import ChatEncoder, apply_think
 from .formats import Skip
-from .options import DataError, DataOptions
+from .options import DataOptions
 from .packing import BestFitPacker, PretrainPacker, assemble
 from .pipeline import SourceReader, Stream
 from .sources import resolve_sources
@@ -91,7 +94,7 @@ def pack_all(opts: DataOptions, tok, docs: list, encoder, rows_per_batch: int = 
         batch = assemble(rows, opts.seq_len, pad)
         stats["rows"] += len(rows)
         stats["tokens"] += sum(len(ids) for row in rows for ids, _ in row)
-        stats["targets"] += int((batch["labels"] != -100).sum())
+        stats["targets"] += int((batch["labels"] != IGNORE_INDEX).sum())
 
 
 def raw_texts(opts: DataOptions, tok, docs: list, sft: bool) -> list[str]:

@@ -32,9 +32,11 @@ from itertools import chain
 
 import numpy as np
 
+from dstrain.batch import IGNORE_INDEX
+from dstrain.errors import DataError
+
 from .formats import Skip
-from .options import DataError
-from .tokenizer import IGNORE, special_ids
+from .tokenizer import special_ids
 
 log = logging.getLogger("dstrain.data")
 
@@ -157,7 +159,7 @@ class Encoded:
 
     @property
     def labels(self) -> np.ndarray:
-        labels = np.full(len(self.ids), IGNORE, dtype=np.int32)
+        labels = np.full(len(self.ids), IGNORE_INDEX, dtype=np.int32)
         for a, b in self.targets:
             labels[a:b] = self.ids[a:b]
         return labels

@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 
-from .options import DataError, add_arguments, from_args
+from dstrain.errors import DataError
+
+from .options import add_arguments, from_args
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from .options import DataError, DataOptions
+from dstrain.errors import DataError
+
+from .options import DataOptions
 
 log = logging.getLogger("dstrain.data")
 

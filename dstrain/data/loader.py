@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dstrain.errors import DataError
+
 from .chat import ChatEncoder
-from .options import DataError, DataOptions
+from .options import DataOptions
 from .pipeline import STAT_KEYS, Stream
 from .sources import Source, resolve_sources
 from .tokenizer import special_ids

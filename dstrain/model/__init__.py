@@ -3,7 +3,7 @@
 from .config import PRESETS, ModelConfig, get_config
 from .flops import flops_per_token, param_counts
 from .loading import build_model, from_pretrained, parse_dtype, save_pretrained
-from .model import DeepSeekLM, ModelOutput, target_mask
+from .model import DeepSeekLM, ModelOutput, combine_losses
 
 __all__ = [
     "PRESETS",
@@ -11,11 +11,11 @@ __all__ = [
     "ModelConfig",
     "ModelOutput",
     "build_model",
+    "combine_losses",
     "flops_per_token",
     "from_pretrained",
     "get_config",
     "param_counts",
     "parse_dtype",
     "save_pretrained",
-    "target_mask",
 ]

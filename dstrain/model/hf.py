@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .model import is_expert_bias
 
 # HF key (after `model.` for per-layer keys) -> dstrain key. Per-layer keys not listed map unchanged.
 GLOBAL_KEYS: dict[str, str] = {
@@ -124,16 +125,43 @@ def _split_fused(t: torch.Tensor, name: str, cfg: ModelConfig) -> list[torch.Ten
     return list(t.unbind(0))
 
 
-def to_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """dstrain state dict -> (HF key, tensor) pairs, MTP copies of the shared embedding/head included."""
-    for key, t in state_dict.items():
+def to_hf(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """dstrain (key, tensor) pairs -> (HF key, tensor) pairs, streaming: fused experts split per expert, the
+    MTP layers' copies of the shared embedding and head emitted when the shared tensor passes by, floating
+    tensors cast to `dtype` (the expert bias stays fp32). A key with no place in `cfg` is a KeyError."""
+    mtp_prefixes = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(cfg.num_nextn_predict_layers)]
+    copies = {ds: [p + hf for p in mtp_prefixes] for hf, ds in MTP_SHARED_KEYS.items()}
+    if cfg.tie_word_embeddings:  # the head is the embedding: its MTP copies come with it
+        copies["embed_tokens.weight"] += copies.pop("lm_head.weight")
+        copies["lm_head.weight"] = []
+    for key, t in tensors:
         names = dstrain_to_hf(key, cfg)
-        tensors = _split_fused(t, key, cfg) if len(names) > 1 else [t] * len(names)
-        yield from zip(names, tensors, strict=True)
-    for k in range(cfg.num_nextn_predict_layers):
-        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
-        for hf_rest, ds_key in MTP_SHARED_KEYS.items():
-            yield prefix + hf_rest, state_dict[ds_key]
+        if dtype is not None and t.is_floating_point() and not is_expert_bias(key):
+            t = t.to(dtype)
+        parts = _split_fused(t, key, cfg) if len(names) > 1 else [t] * len(names)
+        extra = copies.get(key, [])
+        yield from zip(names + extra, parts + [t] * len(extra), strict=True)
+
+
+def write_hf_config(
+    cfg: ModelConfig, path: str | os.PathLike, dtype: torch.dtype, generation: dict | None = None
+) -> None:
+    """config.json (the model's HF config, weights declared as `dtype`, dequantized) and
+    generation_config.json (`generation`, else the config's special token ids)."""
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg.pop("quantization_config", None)  # weights are written dequantized
+    hf_cfg["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in hf_cfg:  # older readers look for this name
+        hf_cfg["torch_dtype"] = hf_cfg["dtype"]
+    if generation is None:
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        generation = {k: getattr(cfg, k) for k in ids if getattr(cfg, k) is not None}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
 
 
 def from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -183,26 +211,6 @@ def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False)
 
 def _pickle_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.endswith(".bin"))
-
-
-def iter_checkpoint(
-    path: str | os.PathLike, allow_unsafe_pickle: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF key, tensor) one at a time, so peak memory stays about one tensor above the model."""
-    path = str(path)
-    files = checkpoint_files(path, allow_unsafe_pickle)
-    if not files:
-        for name in _pickle_files(path):
-            # weights_only still refuses arbitrary objects: the flag only admits the pickle container.
-            yield from torch.load(os.path.join(path, name), map_location="cpu", weights_only=True).items()
-        return
-    by_file: dict[str, list[str]] = {}
-    for key, file in files.items():
-        by_file.setdefault(file, []).append(key)
-    for file, keys in by_file.items():
-        with safe_open(file, "pt") as f:
-            for key in keys:
-                yield key, f.get_tensor(key)
 
 
 def save_hf_tensors(

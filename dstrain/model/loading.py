@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, get_config
-from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf
-from .model import DeepSeekLM
+from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
+from .lora import LORA_SUFFIXES
+from .model import DeepSeekLM, is_expert_bias
 from .reader import HFReader
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtyp
                     continue
                 if id(t) not in done:
                     want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                    if name == "e_score_correction_bias":
+                    if is_expert_bias(name):
                         want = torch.float32
                     data = torch.empty(t.shape, dtype=want, device=device)
                     if isinstance(t, nn.Parameter):
@@ -89,17 +90,18 @@ def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
     return getattr(t, "tp_shard", None) or getattr(t, "ep_shard", None)
 
 
-def local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The weights a checkpoint fills: parameters and the expert bias, LoRA adapters excluded."""
-    out = [(n, p) for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))]
-    return out + [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+def local_tensors(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The weights a checkpoint holds: parameters and the expert bias; LoRA adapters only when asked (a
+    Hugging Face folder has none)."""
+    out = [(n, p) for n, p in model.named_parameters() if adapters or not n.endswith(LORA_SUFFIXES)]
+    return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n)]
 
 
 def fresh_init_(name: str, t: torch.Tensor, std: float, seed: int, part: str = "") -> None:
     """A tensor the checkpoint lacks, initialised as `init_weights` would, from a generator seeded by the
     name and shard (`part` names a ZeRO-3 partition), so replicated copies on different ranks agree without
     communication."""
-    if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+    if is_expert_bias(name) or name.endswith(".bias"):
         t.zero_()
     elif name.endswith("norm.weight"):
         t.fill_(1.0)
@@ -197,28 +199,6 @@ def save_pretrained(
 ) -> None:
     """Write config.json, generation_config.json and safetensors (sharded with an index past max_shard_bytes)
     in the official DeepSeek layout. The expert bias is always written in fp32."""
-    path = str(path)
-    cfg = model.config
     dtype = parse_dtype(dtype)
-    state = model.state_dict()
-
-    def tensors():
-        for key, t in to_hf(state, cfg):
-            if dtype is not None and t.is_floating_point() and not key.endswith("e_score_correction_bias"):
-                t = t.to(dtype)
-            yield key, t
-
-    save_hf_tensors(tensors(), path, max_shard_bytes)
-    out_dtype = dtype or model.embed_tokens.weight.dtype
-    hf_cfg = cfg.to_hf_dict()
-    hf_cfg.pop("quantization_config", None)  # weights are written dequantized
-    hf_cfg["dtype"] = str(out_dtype).removeprefix("torch.")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_cfg, f, indent=2, sort_keys=True)
-    gen = {
-        k: getattr(cfg, k)
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-        if getattr(cfg, k) is not None
-    }
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(gen, f, indent=2)
+    save_hf_tensors(to_hf(model.state_dict().items(), model.config, dtype), path, max_shard_bytes)
+    write_hf_config(model.config, path, dtype or model.embed_tokens.weight.dtype)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dstrain.batch import target_mask
+
 from .attention import (
     AttentionLayout,
     apply_rope,
@@ -24,7 +26,12 @@ from .attention import (
 from .config import ModelConfig
 from .kernels import Linear, linear
 
-IGNORE_INDEX = -100
+EXPERT_BIAS = "e_score_correction_bias"
+
+
+def is_expert_bias(name: str) -> bool:
+    """The aux-loss-free balancing bias: a buffer, saved with the weights and always kept in fp32."""
+    return name.rpartition(".")[2] == EXPERT_BIAS
 
 
 class RMSNorm(nn.Module):
@@ -105,16 +112,14 @@ class Router(nn.Module):
 
     # Kept fp32 under bf16 training, where bias steps of γ ~ 1e-3 would round away: `_apply` below covers
     # `.to()` casts; DeepSpeed's zero.Init, which casts buffers itself, reads this transformers-style list.
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = [EXPERT_BIAS]
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if cfg.uses_expert_bias:
-            self.register_buffer(
-                "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
-            )
+            self.register_buffer(EXPERT_BIAS, torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
 
@@ -288,12 +293,15 @@ class ModelOutput(dict):
         self[name] = value
 
 
-def target_mask(labels: torch.Tensor, position_ids: torch.Tensor | None, shift: int) -> torch.Tensor:
-    """(B, T-shift) bool: position t predicts labels[t+shift] inside its own document."""
-    valid = labels[:, shift:] != IGNORE_INDEX
-    if position_ids is not None:
-        valid = valid & (position_ids[:, shift:] == position_ids[:, :-shift] + shift)
-    return valid
+def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN201 - tensors or floats
+    """The training objective from its parts: `lm` the token-mean LM loss, `mtp` the mean over depths of the
+    token-mean MTP losses (or None), `aux` the sequence-balance loss (or None): lm + λ·mtp + α·aux."""
+    loss = lm
+    if lam and mtp is not None:
+        loss = loss + lam * mtp
+    if alpha and aux is not None:
+        loss = loss + alpha * aux
+    return loss
 
 
 class DeepSeekLM(nn.Module):
@@ -369,11 +377,6 @@ class DeepSeekLM(nn.Module):
         inv_freq, factor = self._rope_cache[dev]
         return rope_cos_sin(position_ids, inv_freq, factor)
 
-    def _block(self, block: Block, h, rope, layout):  # noqa: ANN001
-        if self.activation_checkpointing and self.training:
-            return checkpoint(block, h, rope, layout, use_reentrant=False)
-        return block(h, rope, layout)
-
     def _ce_sum(
         self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -403,16 +406,19 @@ class DeepSeekLM(nn.Module):
         b, t = input_ids.shape
         rope, layout = self.rope_and_layout(position_ids, b, t, input_ids.device)
         h = self.embed_tokens(input_ids)
-        aux_terms: list[torch.Tensor] = []
-        loads: list[torch.Tensor] = []
+        aux, loads = None, []
         for block in self.layers:
-            h = self.run_block(block, h, rope, layout, aux_terms, loads)
+            h, block_aux, load = self.run_block(block, h, rope, layout)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
 
         # Input of MTP depth k at position i is token i+k; the last k positions have none (masked targets).
         def ahead(k: int) -> torch.Tensor:
             return self.embed_tokens(F.pad(input_ids[:, k:], (0, k)))
 
-        return self.finish(h, ahead, rope, layout, position_ids, labels, aux_terms, loads, return_logits)
+        main_loads = torch.stack(loads) if loads else None
+        return self.finish(h, ahead, rope, layout, position_ids, labels, aux, main_loads, return_logits)
 
     def rope_and_layout(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
@@ -421,13 +427,14 @@ class DeepSeekLM(nn.Module):
         pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
         return self._rope(pos), layout
 
-    def run_block(self, block: Block, h, rope, layout, aux_terms: list, loads: list) -> torch.Tensor:  # noqa: ANN001
-        """One block; its MoE balance loss and expert load (if any) are appended to the lists."""
-        h, aux, load = self._block(block, h, rope, layout)
-        if aux is not None:
-            aux_terms.append(aux)
-            loads.append(load)
-        return h
+    def run_block(
+        self, block: Block, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One block (recomputed in backward under activation checkpointing) -> (h, its MoE balance loss,
+        its expert load), the last two None for a dense block."""
+        if self.activation_checkpointing and self.training:
+            return checkpoint(block, h, rope, layout, use_reentrant=False)
+        return block(h, rope, layout)
 
     def finish(
         self,
@@ -437,12 +444,13 @@ class DeepSeekLM(nn.Module):
         layout: AttentionLayout,
         position_ids: torch.Tensor | None,
         labels: torch.Tensor | None,
-        aux_terms: list[torch.Tensor],
-        loads: list[torch.Tensor],
+        aux: torch.Tensor | None,
+        loads: torch.Tensor | None,
         return_logits: bool | None = None,
     ) -> ModelOutput:
-        """Final norm, head, losses and the MTP depths, from the last block's output `h` (the pipeline's last
-        stage calls this too)."""
+        """Final norm, head, losses and the MTP depths, from the last block's output `h`, the summed balance
+        loss `aux` and the (main MoE layers, E) expert `loads` of the blocks before (the pipeline's last stage
+        calls this too)."""
         cfg = self.config
         t = h.shape[1]
         main_hidden = self.norm(h)
@@ -454,12 +462,16 @@ class DeepSeekLM(nn.Module):
             out.lm_loss_sum, out.lm_tokens = self._ce_sum(
                 main_hidden[:, :-1], labels[:, 1:], target_mask(labels, position_ids, 1)
             )
+        mtp_loads = []
         if run_mtp:
             sums, counts = [], []
             prev = main_hidden
             for k, mtp in enumerate(self.mtp, start=1):
                 x = mtp.eh_proj(torch.cat([mtp.enorm(ahead(k)), mtp.hnorm(prev)], dim=-1))
-                prev = self.run_block(mtp.block, x, rope, layout, aux_terms, loads)
+                prev, block_aux, load = self.run_block(mtp.block, x, rope, layout)
+                if block_aux is not None:
+                    aux = block_aux if aux is None else aux + block_aux
+                    mtp_loads.append(load)
                 shift = k + 1
                 if t > shift:
                     s, c = self._ce_sum(
@@ -472,15 +484,12 @@ class DeepSeekLM(nn.Module):
                 sums.append(s)
                 counts.append(c)
             out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
-        if aux_terms:
-            out.aux_loss = torch.stack(aux_terms).sum()
-            out.expert_load = torch.stack(loads).detach()
+        if aux is not None:
+            out.aux_loss = aux
+            rows = ([loads] if loads is not None else []) + ([torch.stack(mtp_loads)] if mtp_loads else [])
+            out.expert_load = torch.cat(rows).detach()
         if labels is not None:
-            loss = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
-            if run_mtp and cfg.mtp_loss_weight:
-                per_depth = out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)
-                loss = loss + cfg.mtp_loss_weight * per_depth.mean()
-            if out.aux_loss is not None and cfg.aux_loss_alpha:
-                loss = loss + cfg.aux_loss_alpha * out.aux_loss
-            out.loss = loss
+            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if run_mtp else None
+            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
         return out

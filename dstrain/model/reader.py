@@ -17,6 +17,7 @@ import torch
 
 from .config import ModelConfig
 from .hf import _pickle_files, checkpoint_files, hf_to_dstrain
+from .model import is_expert_bias
 
 FP8_BLOCK = 128
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -77,7 +78,7 @@ class HFReader:
         if partial:
             raise ValueError(f"{p}: some experts of {partial[0]} are missing from the checkpoint")
         missing = [k for k in keys if k not in self.sources]
-        other = [k for k in missing if not k.startswith("mtp.") and not k.endswith("e_score_correction_bias")]
+        other = [k for k in missing if not k.startswith("mtp.") and not is_expert_bias(k)]
         if other:
             raise ValueError(f"{p}: {len(other)} tensors missing from the checkpoint, e.g. {other[0]}")
         return missing

@@ -1,13 +1,15 @@
 """Pipeline parallelism: a DeepSpeed PipelineModule made of the model's own modules.
 
 Layers: [Embed, block 0, ..., block L-1, Tail]. What travels between stages (a tuple, as DeepSpeed requires):
-hidden states, position ids (packed-document boundaries; int, no gradient), the running sum of the MoE
-sequence-balance losses (a scalar with gradient, so each router gets its share back through the pipe) and,
-with MTP, the embeddings of the inputs extended by the MTP depth (the last stage's MTP modules need the
-embeddings of the tokens ahead; padding token 0 exactly as the single-device model pads). The Tail holds the
-final norm, head and MTP modules; DeepSpeed calls its `loss` with the labels, which runs the model's own
-`finish` (so losses are the single-device model's, MTP and aux included) and then the trainer's objective.
-Expert loads are counted on the stage that owns each MoE layer and read by the trainer after the step.
+hidden states; position ids (packed-document boundaries; int, no gradient); the running sum of the MoE
+sequence-balance losses (a scalar with gradient, so each router gets its share back through the pipe); with
+MoE layers, the expert loads counted so far (int64, one row per main MoE layer: each stage adds its own rows);
+and, with MTP, the embeddings of the inputs extended by the MTP depth (the last stage's MTP modules need the
+embeddings of the tokens ahead; padding token 0 exactly as the single-device model pads). Labels travel as
+(labels, global target counts of the step). The Tail holds the final norm, head and MTP modules; DeepSpeed
+calls its `loss`, which runs the model's own `finish` (so losses and loads are the single-device model's, MTP
+and aux included) and the objective the pipeline was built with. The pipeline module hands the trainer each
+step's detached outputs (`take_outputs`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch import nn
 
 from dstrain.model.loading import materialize
 from dstrain.model.model import DeepSeekLM, ModelOutput, MoE
+
+Objective = Callable[[ModelOutput, torch.Tensor], torch.Tensor]  # (output, global target counts) -> loss
 
 
 class _Context:
@@ -39,21 +43,50 @@ class _Context:
         return self.value
 
 
-class Embed(nn.Module):
+def _main_moe_rows(lm: DeepSeekLM) -> list[int]:
+    """Block index -> row of the load tensor, for the main model's MoE layers (MTP layers come after)."""
+    return [i for i in lm.moe_layer_ids if i < len(lm.layers)]
+
+
+class _Activations:
+    """The stage-to-stage tuple: (h, pos, aux[, load][, ext]); which optional parts exist is fixed by the
+    model (MoE layers in the main model; MTP depth)."""
+
     def __init__(self, lm: DeepSeekLM) -> None:
+        self.has_load = bool(_main_moe_rows(lm))
+        self.has_ext = len(lm.mtp) > 0
+
+    def unpack(self, t: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+        h, pos, aux, *rest = t
+        load = rest.pop(0) if self.has_load else None
+        ext = rest.pop(0) if self.has_ext else None
+        return h, pos, aux, load, ext
+
+    def pack(self, h, pos, aux, load, ext) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        return (h, pos, aux) + ((load,) if self.has_load else ()) + ((ext,) if self.has_ext else ())
+
+
+class Embed(nn.Module):
+    def __init__(self, lm: DeepSeekLM, acts: _Activations) -> None:
         super().__init__()
         self.embed_tokens = lm.embed_tokens
         self.depth = len(lm.mtp)
+        self.load_shape = (len(_main_moe_rows(lm)), lm.config.n_routed_experts or 0)
+        self.acts = acts
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         input_ids, pos = inputs
         t = input_ids.shape[1]
         # A leaf with a gradient: the pipeline sends back a gradient for every floating tensor it sends.
         aux = torch.zeros((), device=input_ids.device, requires_grad=True)
-        if not self.depth:
-            return _grad_carrying(self.embed_tokens(input_ids)), pos, aux
-        ext = _grad_carrying(self.embed_tokens(F.pad(input_ids, (0, self.depth))))
-        return ext[:, :t].contiguous(), pos, aux, ext
+        load = torch.zeros(self.load_shape, dtype=torch.int64, device=input_ids.device)
+        ext = None
+        if self.depth:
+            ext = _grad_carrying(self.embed_tokens(F.pad(input_ids, (0, self.depth))))
+            h = ext[:, :t].contiguous()
+        else:
+            h = _grad_carrying(self.embed_tokens(input_ids))
+        return self.acts.pack(h, pos, aux, load, ext)
 
 
 def _grad_carrying(t: torch.Tensor) -> torch.Tensor:
@@ -63,61 +96,68 @@ def _grad_carrying(t: torch.Tensor) -> torch.Tensor:
 
 
 class BlockLayer(nn.Module):
-    def __init__(self, lm: DeepSeekLM, index: int, ctx: _Context) -> None:
+    def __init__(self, lm: DeepSeekLM, index: int, ctx: _Context, acts: _Activations) -> None:
         super().__init__()
         self.block = lm.layers[index]
         self.index = index
-        self.is_moe = isinstance(self.block.mlp, MoE)
-        self.load: torch.Tensor | None = None  # summed over the micro batches since the last reset
+        rows = _main_moe_rows(lm)
+        self.row = rows.index(index) if isinstance(self.block.mlp, MoE) else None
+        self.acts = acts
         object.__setattr__(self, "_lm", lm)  # not a submodule: only this block's weights live here
         object.__setattr__(self, "_ctx", ctx)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        h, pos, aux, *rest = inputs
+        h, pos, aux, load, ext = self.acts.unpack(inputs)
         rope, layout = self._ctx(pos)
-        aux_terms: list[torch.Tensor] = []
-        loads: list[torch.Tensor] = []
-        h = _grad_carrying(self._lm.run_block(self.block, h, rope, layout, aux_terms, loads))
-        if aux_terms:
-            aux = aux + aux_terms[0].to(aux.dtype)
-            load = loads[0].detach().double()
-            self.load = load if self.load is None else self.load + load
-        return (h, pos, aux, *rest)
+        h, block_aux, block_load = self._lm.run_block(self.block, h, rope, layout)
+        if block_aux is not None:
+            aux = aux + block_aux.to(aux.dtype)
+            row = torch.tensor([self.row], device=load.device)
+            load = load.index_add(0, row, block_load.detach().round().to(load.dtype).unsqueeze(0))
+        return self.acts.pack(_grad_carrying(h), pos, aux, load, ext)
 
 
 class Tail(nn.Module):
-    def __init__(self, lm: DeepSeekLM, ctx: _Context) -> None:
+    def __init__(self, lm: DeepSeekLM, ctx: _Context, acts: _Activations, objective: Objective) -> None:
         super().__init__()
         self.norm, self.lm_head, self.mtp = lm.norm, lm.lm_head, lm.mtp
+        self.acts = acts
+        self.objective = objective
+        self.outputs: list[ModelOutput] = []  # detached outputs of the micro batches since `take_outputs`
         object.__setattr__(self, "_lm", lm)
         object.__setattr__(self, "_ctx", ctx)
-        self.objective: Callable[[Any], torch.Tensor] | None = None  # set by the trainer each step
-        self.outputs: list[Any] = []  # detached ModelOutputs of this step's micro batches
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return inputs
 
-    def loss(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
-        h, pos, aux, *rest = outputs
+    def loss(
+        self, outputs: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        h, pos, aux, load, ext = self.acts.unpack(outputs)
+        labels, n_global = labels
         t = h.shape[1]
         rope, layout = self._ctx(pos)
         self._lm.train(self.training)
 
         def ahead(k: int) -> torch.Tensor:
-            return rest[0][:, k : k + t]
+            return ext[:, k : k + t]
 
-        out = self._lm.finish(h, ahead, rope, layout, pos, labels, [aux], [], return_logits=False)
-        assert self.objective is not None, "the trainer sets Tail.objective before each step"
-        loss = self.objective(out) + 0.0 * aux  # aux always gets a gradient, even with alpha = 0
+        loads = load.to(torch.float32) if load is not None else None
+        out = self._lm.finish(h, ahead, rope, layout, pos, labels, aux, loads, return_logits=False)
+        loss = self.objective(out, n_global) + 0.0 * aux  # aux always gets a gradient, even with alpha = 0
         self.outputs.append(
             ModelOutput({k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()})
         )
         return loss
 
 
-def pipeline_layers(lm: DeepSeekLM) -> list[nn.Module]:
-    ctx = _Context(lm)
-    return [Embed(lm), *(BlockLayer(lm, i, ctx) for i in range(len(lm.layers))), Tail(lm, ctx)]
+def pipeline_layers(lm: DeepSeekLM, objective: Objective) -> list[nn.Module]:
+    ctx, acts = _Context(lm), _Activations(lm)
+    return [
+        Embed(lm, acts),
+        *(BlockLayer(lm, i, ctx, acts) for i in range(len(lm.layers))),
+        Tail(lm, ctx, acts, objective),
+    ]
 
 
 def parse_partition(spec: str, pp: int, n_layers: int) -> str | list[int]:
@@ -140,14 +180,20 @@ def parse_partition(spec: str, pp: int, n_layers: int) -> str | list[int]:
 
 
 def build_pipeline(
-    lm: DeepSeekLM, dims: Any, partition: str, seed: int, device: str | torch.device = "cpu"
+    lm: DeepSeekLM,
+    dims: Any,
+    partition: str,
+    seed: int,
+    objective: Objective,
+    device: str | torch.device = "cpu",
 ) -> nn.Module:
     """The PipelineModule. Every rank passes the whole model, built or on the meta device: the other stages'
-    layers end on meta (freed), this stage's get memory if they have none (to be filled by the caller)."""
+    layers end on meta (freed), this stage's get memory if they have none (to be filled by the caller).
+    `objective` turns the last stage's model output and the step's global target counts into the loss."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    layers = pipeline_layers(lm)
+    layers = pipeline_layers(lm, objective)
     method = parse_partition(partition, dims.pp, len(lm.layers))
     tail = layers[-1]
 
@@ -161,6 +207,14 @@ def build_pipeline(
         def _build(self) -> None:
             super()._build()
             materialize(self, device)  # before PipelineModule moves its layers, which meta tensors refuse
+
+        def take_outputs(self) -> list[ModelOutput]:
+            """The detached model outputs of the micro batches run since the last call (last stage only;
+            empty elsewhere)."""
+            if not any(m is tail for m in self.forward_funcs):
+                return []
+            outputs, tail.outputs = tail.outputs, []
+            return outputs
 
     explicit = method
     pipe = _Pipe(

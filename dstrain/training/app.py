@@ -11,21 +11,14 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dstrain.data import DataError
-from dstrain.model import ModelConfig
+from dstrain import dist
+from dstrain.checkpoint import store
+from dstrain.errors import CheckpointError, UserError
 
-from . import checkpoint, dist
-from .ds_config import (
-    finalize_paths,
-    load_ds_config,
-    parallel_dims,
-    resolve_ds_config,
-    resolve_precision,
-    write_resolved,
-)
-from .errors import CheckpointError, ConfigError, UserError
-from .options import Options, parse_options
-from .trainer import Trainer, model_config_for
+from .ds_config import RESOLVED
+from .options import CheckpointOptions, parse_options
+from .plan import prepare
+from .trainer import Trainer
 
 
 def _rank_env() -> int:
@@ -48,46 +41,6 @@ def quiet_libraries(debug: bool, rank: int) -> None:
     warnings.filterwarnings("ignore", message=".*TORCH_CUDA_ARCH_LIST.*")
 
 
-def validate(argv: list[str]) -> tuple[Options, dict, str]:
-    """Everything that needs no process group and allocates nothing: options, recipe, DeepSpeed config."""
-    opts = parse_options(argv)
-    accel = dist.pick_accelerator()
-    world = dist.launcher_world_size()
-    _, raw = load_ds_config(opts.train.config)
-    cfg = model_config_for(opts)
-    precision = resolve_precision(opts.train, raw, accel)
-    ds = resolve_ds_config(
-        raw, opts.train, world_size=world, precision=precision, hidden_size=cfg.hidden_size
-    )
-    zero = ds["zero_optimization"]
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-    try:
-        dims = parallel_dims(ds, world)
-        dims.validate(cfg, int(zero.get("stage", 0)), offload=offload)
-        if opts.train.lora_r and dims.tp > 1:
-            raise ValueError(
-                f"--lora_r {opts.train.lora_r} with --tp {dims.tp}: LoRA under tensor parallelism is not supported"
-            )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if os.path.isdir(opts.train.model):
-        check_model_folder(opts.train.model, cfg)
-    return opts, ds, precision
-
-
-def check_model_folder(path: str, cfg: ModelConfig) -> None:
-    """A folder that does not fit its own config.json is a one-line error here, before any process group or
-    allocation (headers only: nothing is read)."""
-    from dstrain.model.loading import check_folder
-    from dstrain.model.reader import HFReader
-
-    try:
-        with HFReader(path, cfg) as reader:
-            check_folder(reader, cfg)
-    except ValueError as exc:
-        raise ConfigError(f"--model {path}: {exc}") from None
-
-
 def size(n: float) -> str:
     """Bytes for people: 512 B, 49 KiB, 47.7 MiB, 7.5 GiB."""
     for unit in ("B", "KiB", "MiB"):
@@ -102,14 +55,9 @@ def default_output_dir(model: str) -> str:
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def choose_resume(opts: Options, output_dir: str) -> str | None:
-    t = opts.train
-    found = checkpoint.resolve_resume(t.resume, output_dir)
-    if (
-        found is None
-        and t.resume is None
-        and checkpoint.newest_complete(checkpoint.checkpoint_root(output_dir))
-    ):
+def choose_resume(c: CheckpointOptions, output_dir: str) -> str | None:
+    found = store.resolve_resume(c.resume, output_dir)
+    if found is None and c.resume is None and store.newest_complete(store.checkpoint_root(output_dir)):
         raise CheckpointError(
             f"--output_dir {output_dir} already holds checkpoints: pass --resume auto to continue it, "
             "or choose another --output_dir"
@@ -118,39 +66,37 @@ def choose_resume(opts: Options, output_dir: str) -> str | None:
 
 
 def run(argv: list[str]) -> int:
-    opts, ds, precision = validate(argv)
-    t = opts.train
+    # Everything that needs no process group and allocates nothing comes first: a mistake is one line.
+    plan = prepare(parse_options(argv))
+    opts = plan.opts
+    model = opts.model.model
     info = dist.init_distributed()
-    output_dir = t.output_dir or dist.broadcast_object(default_output_dir(t.model))
-    resume = dist.agree(lambda: choose_resume(opts, output_dir))
+    output_dir = opts.checkpoint.output_dir or dist.broadcast_object(default_output_dir(model))
+    resume = dist.agree(lambda: choose_resume(opts.checkpoint, output_dir))
     say = print if info.is_main else (lambda *a, **k: None)
     if info.is_main:
         os.makedirs(output_dir, exist_ok=True)
-    finalize_paths(ds, output_dir)
-    resolved = os.path.join(output_dir, "ds_config.resolved.json")
+    plan = plan.with_output_dir(output_dir)
     if info.is_main:
-        write_resolved(ds, output_dir)
+        plan.write_resolved()
     dist.barrier()
-    stage = ds["zero_optimization"].get("stage", 0)
     say(
-        f"dstrain: {t.model} on {info.world_size} x {info.device.type} ({info.backend}), "
-        f"{parallel_dims(ds, info.world_size).describe()}, ZeRO-{stage}, {precision}, "
-        f"global batch {ds['train_batch_size']} x {opts.data.seq_len} tokens, {t.max_steps} steps",
+        f"dstrain: {model} on {info.world_size} x {info.device.type} ({info.backend}), "
+        f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, "
+        f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps",
         flush=True,
     )
-    say(
-        f"dstrain: outputs in {os.path.abspath(output_dir)} (metrics.jsonl, checkpoints/, {os.path.basename(resolved)})"
-    )
-    if t.resume == "auto" and resume is None:
+    say(f"dstrain: outputs in {os.path.abspath(output_dir)} (metrics.jsonl, checkpoints/, {RESOLVED})")
+    if opts.checkpoint.resume == "auto" and resume is None:
         say(f"dstrain: --resume auto: no complete checkpoint in {output_dir}, starting fresh")
     elif resume is not None:
         say(f"dstrain: resuming from {resume}")
-    trainer = Trainer(opts, info, ds, output_dir, resume_path=resume)
+    trainer = Trainer(plan, info, resume_path=resume)
     trainer.setup()
     if trainer.load_stats:
         ls = trainer.load_stats
         say(
-            f"dstrain: loaded {t.model}: rank 0 read {size(ls['bytes_read'])} of {size(ls['checkpoint_bytes'])}, "
+            f"dstrain: loaded {model}: rank 0 read {size(ls['bytes_read'])} of {size(ls['checkpoint_bytes'])}, "
             f"peak memory +{size(ls['peak_rss_growth'])} while loading"
         )
     summary = trainer.run()
@@ -174,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv)
     except SystemExit as exc:  # argparse --help
         return int(exc.code or 0)
-    except (UserError, DataError) as exc:
+    except UserError as exc:
         if debug:
             traceback.print_exc()
         import torch.distributed as tdist

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dstrain.lora import apply_finetune_options, init_adapters
 from dstrain.model import DeepSeekLM, ModelConfig, build_model
 from dstrain.model.loading import (
     check_folder,
@@ -29,9 +28,12 @@ from dstrain.model.loading import (
     materialize,
     warn_fresh_mtp,
 )
+from dstrain.model.lora import init_adapters
 from dstrain.model.reader import HFReader
+from dstrain.parallel.pipe import Objective
 
-from .ds_config import engine_config
+from .finetune import apply_finetune_options
+from .plan import RunPlan
 
 
 @dataclass
@@ -43,42 +45,52 @@ class Built:
     load: dict[str, Any] = field(default_factory=dict)  # loading figures, empty when built fresh
 
 
-def build_for_training(
-    t: Any, cfg: ModelConfig, dims: Any, rank: int, device: torch.device, ds: dict[str, Any]
-) -> Built:
-    """`t`: TrainOptions; `cfg`: the model config (the folder's, with dstrain's overrides)."""
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    if not os.path.isdir(t.model):
-        model = build_model(cfg, device=device, dtype=torch.float32, seed=t.seed)
-        apply_finetune_options(model, t)
-        return _parallel(model, t, dims, rank, device)
-    with PeakRSS() as peak, HFReader(t.model, cfg) as reader:
-        if stage == 3:
-            model = _zero3_from_hf(cfg, reader, ds, t.seed)
-            apply_finetune_options(model, t)
+def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
+    """The model of `plan` on this rank: the --model preset built fresh, or its folder loaded; LoRA and the
+    frozen parts applied; parallelised. `objective`: the loss a pipeline's last stage computes."""
+    cfg, dims, seed = plan.model, plan.dims, plan.opts.run.seed
+    model_opts, lora = plan.opts.model, plan.opts.lora
+    if not os.path.isdir(model_opts.model):
+        model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
+        apply_finetune_options(model, lora, seed)
+        return _parallel(model, plan, rank, device, objective)
+    with PeakRSS() as peak, HFReader(model_opts.model, cfg) as reader:
+        if plan.stage == 3:
+            model = _zero3_from_hf(cfg, reader, plan.ds, seed)
+            apply_finetune_options(model, lora, seed)
             built = Built(model, model)
         else:
             with torch.device("meta"):
                 model = DeepSeekLM(cfg)
-            apply_finetune_options(model, t)
-            built = _parallel(model, t, dims, rank, device)  # gives this rank's tensors memory
+            apply_finetune_options(model, lora, seed)
+            built = _parallel(model, plan, rank, device, objective)  # gives this rank's tensors memory
             if not dims.model_parallel:
                 materialize(model, device)
-            fill_from_hf(model, reader, t.seed)
-            init_adapters(model, t.seed)
+            fill_from_hf(model, reader, seed)
+            init_adapters(model, seed)
         built.load = {"bytes_read": reader.bytes_read, "checkpoint_bytes": reader.total_bytes}
     built.load["peak_rss_growth"] = peak.growth
     return built
 
 
-def _parallel(model: DeepSeekLM, t: Any, dims: Any, rank: int, device: torch.device) -> Built:
-    if not dims.model_parallel:
+def _parallel(
+    model: DeepSeekLM, plan: RunPlan, rank: int, device: torch.device, objective: Objective
+) -> Built:
+    if not plan.dims.model_parallel:
         return Built(model, model)
     from dstrain.parallel import build_groups
     from dstrain.parallel.apply import parallelize
 
-    groups = build_groups(dims, rank)
-    module, mpu = parallelize(model, dims, groups, partition=t.pp_partition, seed=t.seed, device=device)
+    groups = build_groups(plan.dims, rank)
+    module, mpu = parallelize(
+        model,
+        plan.dims,
+        groups,
+        partition=plan.opts.layout.pp_partition,
+        seed=plan.opts.run.seed,
+        objective=objective,
+        device=device,
+    )
     return Built(model, module, mpu, groups)
 
 
@@ -90,7 +102,7 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
 
     NVME = OffloadDeviceEnum.nvme  # noqa: N806
 
-    with deepspeed.zero.Init(config_dict_or_path=engine_config(ds)):
+    with deepspeed.zero.Init(config_dict_or_path=ds):
         model = DeepSeekLM(cfg)
     missing = check_folder(reader, cfg)
     for name, t in local_tensors(model):

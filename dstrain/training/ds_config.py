@@ -1,6 +1,7 @@
 """DeepSpeed config: load, fill the "auto" fields dstrain owns from its options, validate, before anything
 is allocated. dstrain's options are the one source of truth for batch sizes, clipping, precision and the
-optimizer/scheduler settings; an explicit value in the JSON must agree with them."""
+optimizer/scheduler settings; an explicit value in the JSON must agree with them. `plan.prepare` calls this
+once per run; nothing downstream reads the raw JSON."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .errors import ConfigError
-from .options import TrainOptions, min_lr
+from dstrain.atomic import write_json
+from dstrain.errors import ConfigError
+from dstrain.parallel import ParallelDims
+
+from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 from .schedule import DS_SCHEDULER_TYPES
 
-if TYPE_CHECKING:
-    from dstrain.parallel import ParallelDims
-
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+RESOLVED = "ds_config.resolved.json"
 AUTO = "auto"
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach"}
 SCHEDULER_PARAMS = {
@@ -89,50 +91,53 @@ def _check_keys(section: dict[str, Any], allowed: set[str], where: str) -> None:
             raise ConfigError(f"ds_config {where}{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
-def resolve_precision(t: TrainOptions, raw: dict[str, Any], device_type: str) -> str:
+def resolve_precision(precision: str, raw: dict[str, Any], device_type: str) -> str:
+    """--precision (auto, fp32, bf16) and the config's bf16 section -> 'fp32' or 'bf16'."""
     bf16 = raw.get("bf16", raw.get("bfloat16", {})).get("enabled", AUTO)
     if (raw.get("fp16") or {}).get("enabled") not in (None, False, AUTO):
         raise ConfigError("ds_config fp16.enabled=true: fp16 is not supported, use --precision bf16")
-    if t.precision == "auto":
+    if precision == "auto":
         if bf16 in (True, False):
             return "bf16" if bf16 else "fp32"
         import torch
 
         return "bf16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if bf16 not in (AUTO, t.precision == "bf16"):
-        raise ConfigError(f"ds_config bf16.enabled={_fmt(bf16)} conflicts with --precision {t.precision}")
-    return t.precision
+    if bf16 not in (AUTO, precision == "bf16"):
+        raise ConfigError(f"ds_config bf16.enabled={_fmt(bf16)} conflicts with --precision {precision}")
+    return precision
 
 
 def resolve_ds_config(
-    raw: dict[str, Any], t: TrainOptions, *, world_size: int, precision: str, hidden_size: int
-) -> dict[str, Any]:
-    """-> the config deepspeed.initialize gets. Raises ConfigError naming the offending key and value."""
+    raw: dict[str, Any],
+    layout: LayoutOptions,
+    optimizer: OptimizerOptions,
+    schedule: ScheduleOptions,
+    *,
+    world_size: int,
+    precision: str,
+    hidden_size: int,
+) -> tuple[dict[str, Any], ParallelDims]:
+    """-> (the config deepspeed.initialize gets, holding DeepSpeed's keys only; the parallel layout). Raises
+    ConfigError naming the offending key and value."""
     ds = copy.deepcopy(raw)
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
         raise ConfigError(f"ds_config zero_optimization.stage={_fmt(stage)}: must be 0, 1, 2 or 3")
-    dims = _check_parallelism(ds, t, stage, world_size)
-    dp = dims.dp
+    dims = _check_parallelism(ds, layout, world_size)
 
-    _own(
-        ds,
-        "train_micro_batch_size_per_gpu",
-        t.micro_batch_size,
-        f"--micro_batch_size {t.micro_batch_size}",
-        "",
-    )
-    ga = t.gradient_accumulation_steps
+    mbs, ga = layout.micro_batch_size, layout.gradient_accumulation_steps
+    _own(ds, "train_micro_batch_size_per_gpu", mbs, f"--micro_batch_size {mbs}", "")
     _own(ds, "gradient_accumulation_steps", ga, f"--gradient_accumulation_steps {ga}", "")
-    want = t.micro_batch_size * ga * dp
+    want = mbs * ga * dims.dp
     if ds.get("train_batch_size", AUTO) not in (AUTO, want):
         raise ConfigError(
-            f"ds_config train_batch_size={_fmt(ds['train_batch_size'])} != --micro_batch_size {t.micro_batch_size}"
-            f" x --gradient_accumulation_steps {ga} x {dp} data-parallel ranks = {want}"
+            f"ds_config train_batch_size={_fmt(ds['train_batch_size'])} != --micro_batch_size {mbs}"
+            f" x --gradient_accumulation_steps {ga} x {dims.dp} data-parallel ranks = {want}"
         )
     ds["train_batch_size"] = want
-    _own(ds, "gradient_clipping", float(t.clip_grad), f"--clip_grad {t.clip_grad}", "")
+    clip = optimizer.clip_grad
+    _own(ds, "gradient_clipping", float(clip), f"--clip_grad {clip}", "")
 
     bf16 = ds.pop("bfloat16", None) or ds.setdefault("bf16", {})
     ds["bf16"] = bf16
@@ -140,14 +145,14 @@ def resolve_ds_config(
     bf16["enabled"] = precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = False
 
-    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    offload_opt = offloads_optimizer(ds)
     offload_param = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
     if offload_param and stage != 3:
         raise ConfigError(f"ds_config zero_optimization.offload_param needs stage 3 (stage={stage})")
     if offload_opt and stage == 0:
         raise ConfigError("ds_config zero_optimization.offload_optimizer needs stage >= 1 (stage=0)")
-    _resolve_optimizer(ds, t, offload_opt)
-    _resolve_scheduler(ds, t)
+    _resolve_optimizer(ds, optimizer, schedule, offload_opt)
+    _resolve_scheduler(ds, schedule)
     _resolve_zero_autos(zero, hidden_size)
     for sec in ("offload_param", "offload_optimizer"):
         if isinstance(zero.get(sec), dict) and zero[sec].get("pin_memory") == AUTO:
@@ -157,25 +162,25 @@ def resolve_ds_config(
     # dstrain prints its own progress; DeepSpeed's every-10-steps lines would interleave with it.
     if ds.get("steps_per_print", AUTO) == AUTO:
         ds["steps_per_print"] = 2**31 - 1
-    if t.nan_policy == "skip" and stage == 0:
-        raise ConfigError(
-            "--nan_policy skip needs zero_optimization.stage >= 1 (stage 0 cannot skip an update)"
-        )
     _validate_with_deepspeed(ds)
     _check_monitors(ds)
     leftover = _find_auto(ds)
     if leftover:
         raise ConfigError(f"ds_config {leftover}='auto': dstrain does not fill this setting; give a value")
-    return ds
+    return ds, dims
 
 
-def _check_parallelism(ds: dict[str, Any], t: TrainOptions, stage: int, world_size: int) -> ParallelDims:
-    """Fill pipeline.stages / tensor_parallel.tp_size / expert_parallel.ep_size from --pp/--tp/--ep (the flag
-    wins over "auto" or absence; an explicit different value is an error) and check the layout. dstrain does
-    tensor and expert parallelism itself: DeepSpeed's AutoTP/AutoEP sections are refused (AutoTP gets MLA's
-    gradients wrong; AutoEP cannot balance with the expert bias)."""
-    from dstrain.parallel import ParallelDims
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    """Optimizer states (and the step) on the CPU or NVMe."""
+    zero = ds.get("zero_optimization") or {}
+    return (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
 
+
+def _check_parallelism(ds: dict[str, Any], layout: LayoutOptions, world_size: int) -> ParallelDims:
+    """Read pipeline.stages / tensor_parallel.tp_size / expert_parallel.ep_size, filled from --pp/--tp/--ep (the
+    flag wins over "auto" or absence; an explicit different value is an error), and check the layout. The
+    tensor_parallel and expert_parallel sections are dstrain's own and leave `ds`; DeepSpeed's AutoTP/AutoEP
+    sections are refused (AutoTP gets MLA's gradients wrong; AutoEP cannot balance with the expert bias)."""
     if ds.get("moe"):
         raise ConfigError(f"ds_config moe={_fmt(ds['moe'])}: set expert_parallel.ep_size (or --ep) instead")
     sections = {
@@ -205,7 +210,7 @@ def _check_parallelism(ds: dict[str, Any], t: TrainOptions, stage: int, world_si
                 "balancing); dstrain's own expert parallelism: expert_parallel.ep_size or --ep"
             )
         _check_keys(sec, allowed, f"{name}.")
-        value = getattr(t, flag)
+        value = getattr(layout, flag)
         if value is None:
             value = sec.get(key, AUTO)
             value = 1 if value == AUTO else value
@@ -213,9 +218,11 @@ def _check_parallelism(ds: dict[str, Any], t: TrainOptions, stage: int, world_si
             _own(sec, key, value, f"--{flag} {value}", f"{name}.")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"ds_config {name}.{key}={_fmt(value)}: must be a positive integer")
-        sec[key] = value
-        ds[name] = sec
         sizes[flag] = value
+        if name == "pipeline":
+            ds[name] = {**sec, key: value}
+        else:
+            ds.pop(name, None)
     try:
         dims = ParallelDims(world_size, **sizes)
     except ValueError as exc:
@@ -226,24 +233,15 @@ def _check_parallelism(ds: dict[str, Any], t: TrainOptions, stage: int, world_si
     return dims
 
 
-def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
-    """The config deepspeed.initialize gets: without the sections only dstrain reads."""
-    return {k: v for k, v in ds.items() if k not in ("tensor_parallel", "expert_parallel")}
+def layout_sections(dims: ParallelDims) -> dict[str, Any]:
+    """dstrain's own layout sections as a config file gives them: the resolved file holds them beside
+    DeepSpeed's, so it can be given back as --config."""
+    return {"tensor_parallel": {"tp_size": dims.tp}, "expert_parallel": {"ep_size": dims.ep}}
 
 
-def parallel_dims(ds: dict[str, Any], world_size: int) -> ParallelDims:
-    """The layout a resolved config describes."""
-    from dstrain.parallel import ParallelDims
-
-    return ParallelDims(
-        world_size,
-        pp=int(ds.get("pipeline", {}).get("stages", 1)),
-        tp=int(ds.get("tensor_parallel", {}).get("tp_size", 1)),
-        ep=int(ds.get("expert_parallel", {}).get("ep_size", 1)),
-    )
-
-
-def _resolve_optimizer(ds: dict[str, Any], t: TrainOptions, offload_opt: bool) -> None:
+def _resolve_optimizer(
+    ds: dict[str, Any], t: OptimizerOptions, schedule: ScheduleOptions, offload_opt: bool
+) -> None:
     opt = ds.setdefault("optimizer", {})
     _check_keys(opt, {"type", "params"}, "optimizer.")
     kind = opt.get("type", AUTO)
@@ -254,7 +252,7 @@ def _resolve_optimizer(ds: dict[str, Any], t: TrainOptions, offload_opt: bool) -
     _check_keys(params, OPTIMIZER_PARAMS, "optimizer.params.")
     if params.get("adam_w_mode", True) is not True:
         raise ConfigError("ds_config optimizer.params.adam_w_mode=false: dstrain trains with AdamW")
-    _own(params, "lr", float(t.lr), f"--lr {t.lr}", "optimizer.params.")
+    _own(params, "lr", float(schedule.lr), f"--lr {schedule.lr}", "optimizer.params.")
     _own(
         params,
         "betas",
@@ -276,7 +274,7 @@ def _resolve_optimizer(ds: dict[str, Any], t: TrainOptions, offload_opt: bool) -
         )
 
 
-def _resolve_scheduler(ds: dict[str, Any], t: TrainOptions) -> None:
+def _resolve_scheduler(ds: dict[str, Any], t: ScheduleOptions) -> None:
     """dstrain builds the schedule itself (see schedule.py); this section only records it, and an explicit
     value here must agree with the flags."""
     sched = ds.get("scheduler")
@@ -301,7 +299,7 @@ def _resolve_scheduler(ds: dict[str, Any], t: TrainOptions) -> None:
             del params[key]
     sched["type"] = kind
     _check_keys(params, SCHEDULER_PARAMS[kind], "scheduler.params.")
-    low = min_lr(t)
+    low = t.min_lr
     values = {
         "total_num_steps": (t.max_steps, f"--max_steps {t.max_steps}"),
         "warmup_num_steps": (t.warmup_steps, f"--warmup_steps {t.warmup_steps}"),
@@ -394,10 +392,6 @@ def finalize_paths(ds: dict[str, Any], output_dir: str) -> None:
 
 
 def write_resolved(ds: dict[str, Any], output_dir: str) -> str:
-    path = os.path.join(output_dir, "ds_config.resolved.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(ds, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    path = os.path.join(output_dir, RESOLVED)
+    write_json(path, ds, indent=2, sort_keys=True)
     return path

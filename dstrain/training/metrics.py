@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dstrain.atomic import write_atomic
+
 # Dense bf16 tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name(); fp32 runs use TF32.
 GPU_PEAK_TFLOPS = [
     ("GB200", 2500.0),
@@ -195,7 +197,4 @@ def _truncate_after(path: str, step: int) -> None:
                     keep.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError, TypeError):
                 continue
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    write_atomic(path, "".join(keep))

@@ -6,7 +6,7 @@ with N counted over every micro batch of the step on every data-parallel rank be
 DeepSpeed's engine.backward divides each micro loss by GA and its gradient reduction averages over the dp
 ranks, so micro batch i contributes GA * dp * (its CE sums / N) + alpha * aux_i: summed over micro batches
 and ranks and divided by GA * dp, that is exactly J (micro batches have equal rows, so the mean of per-micro
-row means is the global row mean).
+row means is the global row mean). The combination itself is the model's `combine_losses`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.model import target_mask
+from dstrain.batch import target_mask
+from dstrain.model import ModelConfig, ModelOutput, combine_losses
 
 
 def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int) -> torch.Tensor:
@@ -32,35 +33,25 @@ def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int) -> torch.Tenso
     return torch.stack(counts).to(torch.int64).cpu()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Weights:
     alpha: float
     """aux (sequence-balance) loss weight"""
     lam: float
     """MTP loss weight"""
 
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Weights:
+        return cls(alpha=float(cfg.aux_loss_alpha), lam=float(cfg.mtp_loss_weight))
 
-def micro_loss(out, n_global: torch.Tensor, scale: float, w: Weights) -> torch.Tensor:  # noqa: ANN001
+
+def micro_loss(out: ModelOutput, n_global: torch.Tensor, scale: float, w: Weights) -> torch.Tensor:
     """Loss to hand engine.backward for one micro batch. `n_global`: (1 + D,) global target counts of the
     step; `scale` = GA * dp, undoing DeepSpeed's 1/GA and rank averaging for the token-mean terms."""
     n = n_global.to(torch.float32).clamp(min=1)
-    loss = out.lm_loss_sum.float() * (scale / n[0])
-    if w.lam and out.mtp_loss_sum is not None and out.mtp_loss_sum.numel():
-        depth = out.mtp_loss_sum.numel()
-        loss = (
-            loss
-            + (w.lam * scale / depth) * (out.mtp_loss_sum.float() / n[1:].to(out.mtp_loss_sum.device)).sum()
-        )
-    if w.alpha and out.aux_loss is not None:
-        loss = loss + w.alpha * out.aux_loss.float()
-    return loss
-
-
-def check_counts(out, expected: torch.Tensor, step: int) -> None:  # noqa: ANN001
-    """The counts used to scale the loss must be the model's own; a mismatch would silently mis-weight."""
-    got = [int(out.lm_tokens)]
-    if out.mtp_tokens is not None:
-        got += [int(c) for c in out.mtp_tokens]
-    want = [int(c) for c in expected[: len(got)]]
-    if got != want:
-        raise RuntimeError(f"step {step}: model counted {got} target tokens, trainer counted {want}")
+    lm = out.lm_loss_sum.float() * (scale / n[0])
+    mtp = None
+    if out.mtp_loss_sum is not None and out.mtp_loss_sum.numel():
+        mtp = (out.mtp_loss_sum.float() / n[1:].to(out.mtp_loss_sum.device)).mean() * scale
+    aux = out.aux_loss.float() if out.aux_loss is not None else None
+    return combine_losses(lm, mtp, aux, w.alpha, w.lam)

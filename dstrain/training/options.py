@@ -1,8 +1,10 @@
-"""dstrain's training options: one dataclass, documented field by field, settable by flag and by recipe.
+"""dstrain's training options: one dataclass per section, each field documented, settable by flag and by recipe.
 
-Every field's docstring (the string literal under it) is its `--help` text. The data options are the data
-package's own `DataOptions` fields, composed into the same parser, never duplicated here. Precedence:
-dataclass default < recipe file (`--recipe x.toml`) < command-line flag.
+Every field's docstring (the string literal under it) is its `--help` text, and every field is a flag of the
+same name (`--lr`, `--pp`, ...): the sections only group them, for `--help` and for the components that own
+them (the optimizer gets `OptimizerOptions`, the checkpoint store `CheckpointOptions`, ...). The data options
+are the data package's own `DataOptions`, composed into the same parser, never duplicated here. Each section
+validates itself (`ConfigError`, a `ValueError`). Precedence: default < recipe file (`--recipe x.toml`) < flag.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dstrain.data import DataOptions
+from dstrain.errors import ConfigError
 from dstrain.fields import base_type, converter, field_docs
-
-from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,11 +27,45 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
+def _check(section: Any, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    for name in positive:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"--{name} {getattr(section, name)}: must be > 0")
+    for name in non_negative:
+        value = getattr(section, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name} {value}: must be >= 0")
+
+
 @dataclass
-class TrainOptions:
+class ModelOptions:
     model: str = "tiny"
     """Model: a preset name (tiny, small, deepseek-v2-lite, deepseek-v2, deepseek-v3) or a Hugging Face
     checkpoint folder (config.json + safetensors), whose weights are loaded."""
+    moe_bias_update_speed: float | None = None
+    """gamma: step of the aux-loss-free expert-bias update per optimizer step (default: the model config's)."""
+    moe_aux_loss_alpha: float | None = None
+    """alpha: weight of the sequence-wise balance loss (default: the model config's)."""
+    mtp_loss_weight: float | None = None
+    """lambda: weight of the multi-token-prediction loss (default: the model config's)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of storing its activations."""
+
+    def __post_init__(self) -> None:
+        _check(self, non_negative=("moe_bias_update_speed", "moe_aux_loss_alpha", "mtp_loss_weight"))
+
+    def config_overrides(self) -> dict[str, float]:
+        """The model-config fields these options set (those given)."""
+        changes = {
+            "bias_update_speed": self.moe_bias_update_speed,
+            "aux_loss_alpha": self.moe_aux_loss_alpha,
+            "mtp_loss_weight": self.mtp_loss_weight,
+        }
+        return {k: v for k, v in changes.items() if v is not None}
+
+
+@dataclass
+class LayoutOptions:
     config: str | None = None
     """DeepSpeed config: a JSON path or a shipped name (zero1, zero2, zero3, zero3_offload). Default: the
     accelerate launcher's config if launched by `accelerate launch`, else zero1."""
@@ -48,6 +84,36 @@ class TrainOptions:
     """Rows per micro batch per data-parallel rank (train_micro_batch_size_per_gpu)."""
     gradient_accumulation_steps: int = 1
     """Micro batches per rank per optimizer step. Global batch = micro_batch_size x this x data-parallel ranks."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Training precision. bf16: bf16 weights and activations, fp32 master weights and optimizer states.
+    auto: bf16 on a GPU that supports it, fp32 on CPU (or whatever the DeepSpeed config's bf16.enabled says)."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("micro_batch_size", "gradient_accumulation_steps"))
+
+
+@dataclass
+class OptimizerOptions:
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms, biases or the expert bias)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient 2-norm to this (DeepSpeed gradient_clipping); 0 turns clipping off."""
+
+    def __post_init__(self) -> None:
+        _check(self, non_negative=("weight_decay", "adam_eps", "clip_grad"))
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name} {getattr(self, name)}: must be in [0, 1)")
+
+
+@dataclass
+class ScheduleOptions:
     max_steps: int = 50
     """Optimizer steps to run (in total, counting the steps of a resumed checkpoint). 0: load the model and
     write a checkpoint without training."""
@@ -59,21 +125,17 @@ class TrainOptions:
     """Linear warmup steps: step k (1-based) of the warmup uses lr * k / warmup_steps."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup, from lr down to min_lr at max_steps."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms, biases or the expert bias)."""
-    adam_beta1: float = 0.9
-    """AdamW beta1."""
-    adam_beta2: float = 0.95
-    """AdamW beta2."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient 2-norm to this (DeepSpeed gradient_clipping); 0 turns clipping off."""
-    seed: int = 1234
-    """Seed for the model's initialisation and every rank's python/numpy/torch RNGs."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Training precision. bf16: bf16 weights and activations, fp32 master weights and optimizer states.
-    auto: bf16 on a GPU that supports it, fp32 on CPU (or whatever the DeepSpeed config's bf16.enabled says)."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("lr",), non_negative=("max_steps", "warmup_steps"))
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"--min_lr {self.min_lr}: must be between 0 and --lr {self.lr}")
+
+
+@dataclass
+class CheckpointOptions:
     output_dir: str | None = None
     """Where checkpoints, metrics.jsonl and the resolved DeepSpeed config go. Default: runs/MODEL-TIMESTAMP."""
     resume: str | None = None
@@ -83,16 +145,15 @@ class TrainOptions:
     """Save a checkpoint every N optimizer steps (0: only at the end). The last step is always saved."""
     keep_last: int = 3
     """Keep the newest N complete checkpoints and delete older ones (0: keep all)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in backward instead of storing its activations."""
-    moe_bias_update_speed: float | None = None
-    """gamma: step of the aux-loss-free expert-bias update per optimizer step (default: the model config's)."""
-    moe_aux_loss_alpha: float | None = None
-    """alpha: weight of the sequence-wise balance loss (default: the model config's)."""
-    mtp_loss_weight: float | None = None
-    """lambda: weight of the multi-token-prediction loss (default: the model config's)."""
-    nan_policy: Literal["stop", "skip"] = "stop"
-    """On a NaN/Inf loss: stop before the update, naming the step; or skip that step's update and go on."""
+
+    def __post_init__(self) -> None:
+        _check(self, non_negative=("save_every", "keep_last"))
+        if self.resume is not None and not self.resume:
+            raise ConfigError("--resume: give 'auto' or a checkpoint path")
+
+
+@dataclass
+class LoggingOptions:
     log_every: int = 5
     """Plain log line every N steps when stdout is not a terminal (a progress bar otherwise)."""
     peak_tflops: float | None = None
@@ -105,8 +166,13 @@ class TrainOptions:
     """wandb run name (default: the output_dir's name)."""
     debug: bool = False
     """Show tracebacks and DeepSpeed's own info logs."""
-    local_rank: int = field(default=-1, metadata={"hidden": True})
-    """Set by the `deepspeed` launcher; dstrain reads LOCAL_RANK from the environment instead."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("log_every",), non_negative=("peak_tflops",))
+
+
+@dataclass
+class LoRAOptions:
     lora_r: int = 0
     """LoRA rank: > 0 trains low-rank adapters on --lora_targets with every base weight frozen; 0 is a full
     fine-tune."""
@@ -123,17 +189,68 @@ class TrainOptions:
     """Train the multi-token-prediction modules (under LoRA: their own weights in full, except adapted base
     weights); --no-train_mtp freezes them."""
 
+    def __post_init__(self) -> None:
+        if self.lora_r < 0 or (self.lora_r > 0 and self.lora_alpha <= 0):
+            raise ConfigError(
+                f"--lora_r {self.lora_r} --lora_alpha {self.lora_alpha}: need lora_r >= 0 and lora_alpha > 0"
+            )
 
+    @property
+    def targets(self) -> list[str]:
+        return [s.strip() for s in self.lora_targets.split(",") if s.strip()]
+
+
+@dataclass
+class RunOptions:
+    seed: int = 1234
+    """Seed for the model's initialisation and every rank's python/numpy/torch RNGs."""
+    nan_policy: Literal["stop", "skip"] = "stop"
+    """On a NaN/Inf loss: stop before the update, naming the step; or skip that step's update and go on."""
+    local_rank: int = field(default=-1, metadata={"hidden": True})
+    """Set by the `deepspeed` launcher; dstrain reads LOCAL_RANK from the environment instead."""
+
+
+# Section name -> its dataclass, in --help order. `data` is the data package's own.
+SECTIONS: dict[str, type] = {
+    "model": ModelOptions,
+    "layout": LayoutOptions,
+    "optimizer": OptimizerOptions,
+    "schedule": ScheduleOptions,
+    "checkpoint": CheckpointOptions,
+    "logging": LoggingOptions,
+    "lora": LoRAOptions,
+    "run": RunOptions,
+    "data": DataOptions,
+}
 # Data defaults that differ for training from the data package's own (a CPU-sized default run).
 DATA_DEFAULTS: dict[str, Any] = {"seq_len": 64}
 
 
 @dataclass
 class Options:
-    train: TrainOptions
-    data: Any  # dstrain.data.DataOptions
-    explicit: set[str] = field(default_factory=set)
-    """Names set by a flag or by the recipe (not left at their default)."""
+    model: ModelOptions = field(default_factory=ModelOptions)
+    layout: LayoutOptions = field(default_factory=LayoutOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    logging: LoggingOptions = field(default_factory=LoggingOptions)
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    data: DataOptions = field(default_factory=lambda: DataOptions(**DATA_DEFAULTS))
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len < 2:
+            raise ConfigError(
+                f"--seq_len {self.data.seq_len}: must be >= 2 (a row needs an input and a target)"
+            )
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def _section_of() -> dict[str, str]:
+    """Flag name -> section name (every flag names exactly one field)."""
+    return {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
@@ -154,16 +271,7 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     return out
 
 
-def _data_options_cls() -> type:
-    try:
-        from dstrain.data import DataOptions
-    except ImportError:
-        from dstrain.data.options import DataOptions
-    return DataOptions
-
-
-def build_parser(data_cls: type | None = None) -> argparse.ArgumentParser:
-    data_cls = data_cls or _data_options_cls()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dstrain train",
         description="Train a DeepSeek-style MoE model with DeepSpeed. Flags override --recipe entries.",
@@ -171,16 +279,14 @@ def build_parser(data_cls: type | None = None) -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--recipe", help="TOML file of option = value entries (flags override it)")
-    for title, cls in (("training", TrainOptions), ("data", data_cls)):
+    for title, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{title} options")
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if title == "data" and f.name in _train_names():
-                continue
             tp, choices, _ = base_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else None
-            if title == "data":
+            if cls is DataOptions:
                 default = DATA_DEFAULTS.get(f.name, default)
             helptext = docs.get(f.name, "").replace("%", "%%")
             if f.metadata.get("hidden"):
@@ -200,12 +306,8 @@ def build_parser(data_cls: type | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _train_names() -> set[str]:
-    return {f.name for f in dataclasses.fields(TrainOptions)}
-
-
 def load_recipe(path: str) -> dict[str, Any]:
-    """A flat TOML table of option = value. Tables ([train], [data]) are merged flat for readability."""
+    """A TOML table of option = value. Tables ([model], [data], any name) are merged flat for readability."""
     if not os.path.isfile(path):
         raise ConfigError(f"--recipe {path}: no such file")
     try:
@@ -216,85 +318,42 @@ def load_recipe(path: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, dict):
-            for k, v in value.items():
-                flat[k] = v
+            flat.update(value)
         else:
             flat[key] = value
     return flat
 
 
-def parse_options(argv: list[str], data_cls: type | None = None) -> Options:
+def parse_options(argv: list[str]) -> Options:
     """Flags (and the recipe they name) -> validated Options. Raises ConfigError; --help exits."""
-    data_cls = data_cls or _data_options_cls()
-    parser = build_parser(data_cls)
+    parser = build_parser()
     parser.error = _raise_config_error  # type: ignore[method-assign]
     ns = vars(parser.parse_args(argv))
     recipe_path = ns.pop("recipe", None)
-    values: dict[str, Any] = {}
-    known = _train_names() | {f.name for f in dataclasses.fields(data_cls)}
+    section_of = _section_of()
+    values: dict[str, tuple[Any, str]] = {}
     if recipe_path:
         for key, value in load_recipe(recipe_path).items():
-            if key not in known:
+            if key not in section_of:
                 raise ConfigError(f"recipe {recipe_path}: unknown option {key!r}")
             values[key] = (value, f"recipe {recipe_path}:")
     for key, value in ns.items():
         values[key] = (value, "--")
-    train_kw: dict[str, Any] = {}
-    data_kw: dict[str, Any] = {k: v for k, v in DATA_DEFAULTS.items() if k not in values}
+    kwargs: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    kwargs["data"] = {k: v for k, v in DATA_DEFAULTS.items() if k not in values}
     for key, (value, source) in values.items():
-        if key in _train_names():
-            train_kw[key] = _coerce(TrainOptions, key, value, source)
-        else:
-            data_kw[key] = _coerce(data_cls, key, value, source)
-    try:
-        data = data_cls(**data_kw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"data options: {exc}") from exc
-    opts = Options(train=TrainOptions(**train_kw), data=data, explicit=set(values))
-    validate_options(opts)
-    return opts
+        section = section_of[key]
+        kwargs[section][key] = _coerce(SECTIONS[section], key, value, source)
+    sections = {}
+    for name, cls in SECTIONS.items():
+        try:
+            sections[name] = cls(**kwargs[name])
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{name} options: {exc}") from exc
+    return Options(**sections)
 
 
 def _raise_config_error(message: str) -> typing.NoReturn:
     raise ConfigError(message)
-
-
-def validate_options(opts: Options) -> None:
-    t = opts.train
-    positive = ("micro_batch_size", "gradient_accumulation_steps", "lr", "log_every")
-    for name in positive:
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"--{name} {getattr(t, name)}: must be > 0")
-    non_negative = (
-        "max_steps",
-        "warmup_steps",
-        "save_every",
-        "keep_last",
-        "clip_grad",
-        "weight_decay",
-        "adam_eps",
-    )
-    for name in non_negative:
-        if getattr(t, name) < 0:
-            raise ConfigError(f"--{name} {getattr(t, name)}: must be >= 0")
-    for name in ("moe_bias_update_speed", "moe_aux_loss_alpha", "mtp_loss_weight", "peak_tflops"):
-        if getattr(t, name) is not None and getattr(t, name) < 0:
-            raise ConfigError(f"--{name} {getattr(t, name)}: must be >= 0")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(t, name) < 1.0:
-            raise ConfigError(f"--{name} {getattr(t, name)}: must be in [0, 1)")
-    if t.min_lr is not None and not 0.0 <= t.min_lr <= t.lr:
-        raise ConfigError(f"--min_lr {t.min_lr}: must be between 0 and --lr {t.lr}")
-    seq_len = getattr(opts.data, "seq_len", None)
-    if seq_len is not None and seq_len < 2:
-        raise ConfigError(f"--seq_len {seq_len}: must be >= 2 (a row needs an input and a target)")
-    if t.lora_r < 0 or (t.lora_r > 0 and t.lora_alpha <= 0):
-        raise ConfigError(
-            f"--lora_r {t.lora_r} --lora_alpha {t.lora_alpha}: need lora_r >= 0 and lora_alpha > 0"
-        )
-    if t.resume is not None and t.resume != "auto" and not t.resume:
-        raise ConfigError("--resume: give 'auto' or a checkpoint path")
-
-
-def min_lr(t: TrainOptions) -> float:
-    return t.lr / 10 if t.min_lr is None else t.min_lr

@@ -11,31 +11,32 @@ from collections.abc import Callable
 
 import torch
 
+from .options import ScheduleOptions
+
 # DeepSpeed scheduler names that a ds config's "scheduler.type" may use, and the dstrain shape each one means.
 DS_SCHEDULER_TYPES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str) -> float:
+def lr_at(step: int, s: ScheduleOptions) -> float:
     """Learning rate of optimizer step `step` (1-based)."""
-    if warmup_steps > 0 and step <= warmup_steps:
-        return lr * step / warmup_steps
-    if schedule == "constant":
-        return lr
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, max_steps - warmup_steps)))
-    if schedule == "linear":
-        return lr - (lr - min_lr) * progress
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if s.warmup_steps > 0 and step <= s.warmup_steps:
+        return s.lr * step / s.warmup_steps
+    if s.lr_schedule == "constant":
+        return s.lr
+    progress = min(1.0, max(0.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps)))
+    if s.lr_schedule == "linear":
+        return s.lr - (s.lr - s.min_lr) * progress
+    return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def make_scheduler_factory(
-    *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str
+    s: ScheduleOptions,
 ) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     """A callable deepspeed.initialize accepts as lr_scheduler: optimizer -> LambdaLR. LambdaLR's counter is
     the number of steps already taken, so the factor it returns is that of step counter + 1."""
 
     def factor(done: int) -> float:
-        kw = dict(lr=lr, min_lr=min_lr, warmup_steps=warmup_steps, max_steps=max_steps, schedule=schedule)
-        return lr_at(done + 1, **kw) / lr
+        return lr_at(done + 1, s) / s.lr
 
     def build(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

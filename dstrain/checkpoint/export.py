@@ -1,0 +1,316 @@
+"""`dstrain export CHECKPOINT --out DIR`: a training checkpoint -> a Hugging Face folder transformers loads.
+
+The weights stream from `weights.iter_weights` one full fp32 tensor at a time, whatever the training layout,
+and are written by `dstrain.model.hf.to_hf` in the official DeepSeek layout (per-expert keys, MTP layers as
+`model.layers.{n+k}` with their copies of the embedding and head, the expert bias in fp32), sharded with an
+index. LoRA adapters are merged into their base weights on the way (or written alone as a PEFT folder with
+--adapter_only). --verify loads the folder with transformers and compares its logits with dstrain's model
+built from the checkpoint's own weights, not from the folder just written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dstrain.errors import CheckpointError, ConfigError, UserError
+from dstrain.model.config import ModelConfig
+from dstrain.model.hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
+from dstrain.model.loading import parse_dtype
+from dstrain.model.lora import LORA_SUFFIXES, merged_weight
+from dstrain.model.model import is_expert_bias
+
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_settings, write_peft_adapter
+from .store import find, read_model_config, read_state
+from .weights import iter_weights
+
+log = logging.getLogger("dstrain.export")
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# What an earlier export may have left in --out: removed first under --force, so no stale shard survives.
+OUTPUT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json")
+
+
+# ------------------------------------------------------------------ the checkpoint
+def source_model(ckpt: Path) -> str | None:
+    """The --model the run started from (a preset name or an HF folder)."""
+    try:
+        return read_state(ckpt).get("model")
+    except CheckpointError:
+        return None
+
+
+def default_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype of the folder training started from (its config.json), else float32."""
+    name = cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
+    try:
+        return parse_dtype(str(name)) if name else torch.float32
+    except ValueError:
+        return torch.float32
+
+
+# ------------------------------------------------------------------ dstrain tensors -> HF tensors
+def merge_stream(
+    weights: Iterator[tuple[str, torch.Tensor]], lora: dict[str, Any] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """dstrain (key, tensor) with every adapter folded into its base weight. Holds back only the pieces of
+    one adapted module until all three (weight, lora_A, lora_B) have arrived."""
+    modules = set(lora["modules"]) if lora else set()
+    scale = float(lora["alpha"]) / int(lora["r"]) if lora else 0.0
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in weights:
+        module, _, part = key.rpartition(".")
+        if key.endswith(LORA_SUFFIXES) and not lora:
+            raise CheckpointError(
+                f"the checkpoint has LoRA adapters ({key}) but no lora.json with their rank and alpha"
+            )
+        if module not in modules or part not in ("weight", "lora_A", "lora_B"):
+            yield key, t
+            continue
+        got = pending.setdefault(module, {})
+        got[part] = t
+        if len(got) == 3:
+            del pending[module]
+            yield f"{module}.weight", merged_weight(got["weight"], got["lora_A"], got["lora_B"], scale)
+    if pending:
+        module, got = next(iter(pending.items()))
+        raise CheckpointError(f"incomplete LoRA module {module} in the checkpoint: only {sorted(got)}")
+
+
+def expected_hf_keys(cfg: ModelConfig) -> set[str]:
+    """Every HF key a complete export of this config holds (from a meta-device model: no memory)."""
+    from dstrain.model.model import DeepSeekLM
+
+    with torch.device("meta"):
+        model = DeepSeekLM(cfg)
+    return {name for name, _ in to_hf(model.state_dict().items(), cfg)}
+
+
+# ------------------------------------------------------------------ writing
+def prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"--out {out} is not empty: choose another folder or pass --force to overwrite")
+        for pattern in (
+            *OUTPUT_PATTERNS,
+            *TOKENIZER_FILES,
+            ADAPTER_CONFIG,
+            ADAPTER_WEIGHTS,
+        ):
+            for p in out.glob(pattern):
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def write_configs(cfg: ModelConfig, out: Path, dtype: torch.dtype, source: str | None) -> list[str]:
+    """config.json, generation_config.json (the source folder's, when training started from one) and the
+    source folder's tokenizer files."""
+    src = Path(source) if source and os.path.isdir(source) else None
+    generation = None
+    if src is not None and (src / "generation_config.json").is_file():
+        generation = json.loads((src / "generation_config.json").read_text())
+    write_hf_config(cfg, out, dtype, generation)
+    copied = []
+    for name in TOKENIZER_FILES if src is not None else ():
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def export(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    adapter_only: bool = False,
+    force: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict[str, Any]:
+    """Write the checkpoint as an HF folder (or a PEFT adapter folder). Raises UserError for user mistakes."""
+    ckpt = find(checkpoint)
+    cfg = read_model_config(ckpt)
+    lora = load_lora_settings(ckpt)
+    out = Path(out)
+    dt = parse_dtype(dtype) or default_dtype(cfg)
+    source = source_model(ckpt)
+    if adapter_only:
+        check_adapter_only(lora, cfg)
+    prepare_out(out, force)
+    if adapter_only:
+        adapters = {k: t.to(dt) for k, t in iter_weights(ckpt) if k.endswith(LORA_SUFFIXES)}
+        base = os.path.abspath(source) if source and os.path.isdir(source) else (source or "")
+        try:
+            paths = write_peft_adapter(adapters, lora, cfg, out, base)
+        except ValueError as exc:
+            raise ConfigError(f"--adapter_only: {exc}") from None
+        return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "adapted": paths, "files": []}
+    seen: set[str] = set()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            for key, t in to_hf(merge_stream(iter_weights(ckpt), lora), cfg, dt):
+                if key in seen:
+                    raise CheckpointError(f"checkpoint yields {key} twice")
+                seen.add(key)
+                yield key, t
+        except KeyError as exc:  # dstrain_to_hf: a dstrain key this config has no place for
+            raise CheckpointError(
+                f"checkpoint tensor {exc.args[0]} has no place in the model's config"
+            ) from None
+
+    files = save_hf_tensors(tensors(), out, max_shard_bytes)
+    missing = expected_hf_keys(cfg) - seen
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+    copied = write_configs(cfg, out, dt, source)
+    return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "files": files, "tokenizer": copied}
+
+
+def check_adapter_only(lora: dict[str, Any] | None, cfg: ModelConfig) -> None:
+    """An adapter folder carries the adapters alone: refuse when training changed anything else that the
+    logits depend on (a PEFT adapter has no place for the router or the expert bias)."""
+    if not lora:
+        raise ConfigError("--adapter_only: the checkpoint has no LoRA adapters (it was a full fine-tune)")
+    if lora.get("train_router", True) and cfg.is_moe:
+        raise ConfigError(
+            "--adapter_only: the routers were trained too (--train_router) and an adapter cannot carry them; "
+            "export merged weights (drop --adapter_only) or fine-tune with --no-train_router"
+        )
+    if lora.get("bias_update_speed", 0.0) > 0 and cfg.uses_expert_bias and cfg.is_moe:
+        raise ConfigError(
+            "--adapter_only: the expert bias was updated (--moe_bias_update_speed > 0) and an adapter cannot "
+            "carry it; export merged weights, or fine-tune with --moe_bias_update_speed 0"
+        )
+    if lora.get("train_mtp", True) and cfg.num_nextn_predict_layers:
+        log.warning(
+            "--adapter_only: the trained MTP modules are not in the adapter (transformers runs no MTP)"
+        )
+
+
+# ------------------------------------------------------------------ verification
+@torch.no_grad()
+def verify(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype, seq_len: int = 32
+) -> float:
+    """Max |logits| difference between transformers on the exported folder and dstrain's model built from
+    the checkpoint's weights (adapters unmerged for fp32; for other dtypes merged and rounded the way the
+    export rounds, so the check measures the layout, not the dtype's precision)."""
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.model.loading import build_model
+    from dstrain.model.lora import apply_lora, merge_lora
+
+    ckpt = find(checkpoint)
+    cfg = read_model_config(ckpt)
+    lora = load_lora_settings(ckpt)
+    ref = build_model(cfg, dtype=torch.float32, init=False)
+    if lora and apply_lora(ref, int(lora["r"]), float(lora["alpha"]), lora["targets"]) != lora["modules"]:
+        raise CheckpointError(f"checkpoint {ckpt}: lora.json's targets no longer select its adapted modules")
+    state = ref.state_dict(keep_vars=True)
+    filled = set()
+    for key, t in iter_weights(ckpt):
+        if key not in state:
+            raise CheckpointError(f"checkpoint tensor {key} is not in the model")
+        state[key].data.copy_(t)
+        filled.add(key)
+    unfilled = set(state) - filled - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if unfilled:
+        raise CheckpointError(f"checkpoint {ckpt} lacks {sorted(unfilled)[0]}")
+    if dtype != torch.float32:
+        merge_lora(ref)
+        for name, t in ref.state_dict(keep_vars=True).items():
+            if t.is_floating_point() and not is_expert_bias(name):
+                t.data.copy_(t.data.to(dtype).float())
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists the MTP layers it does not build, as "unexpected"
+    hf_logging.disable_progress_bar()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (3, min(seq_len, cfg.max_position_embeddings)), generator=gen)
+    want = ref.eval()(ids).logits
+    got = hf(input_ids=ids, use_cache=False).logits
+    return float((got.float() - want.float()).abs().max())
+
+
+# ------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dstrain export",
+        description="Write a dstrain checkpoint as a Hugging Face folder (LoRA merged), or as a PEFT adapter.",
+    )
+    p.add_argument(
+        "checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or a run's output dir (its newest)"
+    )
+    p.add_argument("--out", required=True, help="the folder to write (must be empty unless --force)")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="weight dtype (default: that of the HF folder training started from, else float32); "
+        "the expert bias is always float32",
+    )
+    p.add_argument("--verify", action="store_true", help="load the result with transformers, compare logits")
+    p.add_argument(
+        "--adapter_only",
+        action="store_true",
+        help="write the LoRA adapter as a PEFT folder instead of merging",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        info = export(args.checkpoint, args.out, args.dtype, args.adapter_only, args.force)
+        dtype = info["dtype"]
+        what = "PEFT adapter" if args.adapter_only else f"{len(info['files'])} safetensors file(s)"
+        print(
+            f"dstrain export: {info['checkpoint']} -> {info['out']} ({what}, {str(dtype).removeprefix('torch.')})"
+        )
+        if args.verify and not args.adapter_only:
+            diff = verify(info["checkpoint"], args.out, dtype)
+            tol = TOLERANCE[dtype]
+            ok = diff <= tol
+            print(
+                f"dstrain export: verify: max |logits diff| {diff:.3g} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}"
+            )
+            if not ok:
+                return 1
+        elif args.verify:
+            print("dstrain export: --verify applies to merged exports; skipped for --adapter_only")
+    except UserError as exc:
+        print(f"dstrain export: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

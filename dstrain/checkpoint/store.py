@@ -1,0 +1,303 @@
+"""The checkpoint store: DeepSpeed's engine state plus dstrain's own per-rank state (JSON, no pickle), the
+layout-free weights (weights.py), the model's config.json and LoRA settings; completion, discovery, pruning.
+
+Layout: OUTPUT_DIR/checkpoints/step_00000100/ holds DeepSpeed's files, dstrain_state/rank_00000.json ...,
+weights/, config.json and, once every rank has finished writing, a COMPLETE marker (JSON: step, world size,
+every file and its size) written by rank 0 after a barrier; only then does rank 0 point `latest` at it. A
+folder without a valid marker is never resumed from or exported, so a crash mid-save leaves the previous
+checkpoint in charge. `find` is the one way to locate a checkpoint from a path a user gives.
+
+Trust: dstrain's own state is JSON (never unpickled). DeepSpeed's files are read through `SafeCheckpointEngine`:
+torch's weights-only unpickler, admitting tensors, containers and primitives plus three plain DeepSpeed state
+classes, so a tampered checkpoint cannot run code. dstrain loads none without a COMPLETE marker whose file
+sizes all match.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dstrain import dist
+from dstrain.atomic import write_atomic, write_json
+from dstrain.errors import CheckpointError
+from dstrain.model import ModelConfig
+
+from .lora import save_lora_settings
+from .weights import save_weights
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+STATE_DIR = "dstrain_state"
+MODEL_CONFIG = "config.json"
+TAG_RE = re.compile(r"^step_(\d+)$")
+KILL_ENV = "DSTRAIN_TEST_KILL_DURING_SAVE"
+
+
+def checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ------------------------------------------------------------------ RNG state as JSON
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# ------------------------------------------------------------------ finding checkpoints
+def _files(path: Path) -> dict[str, int]:
+    out = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp"):
+            out[str(p.relative_to(path))] = p.stat().st_size
+    return out
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The marker of a complete checkpoint, after checking every file it lists is there, whole."""
+    marker = path / MARKER
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such folder")
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER} marker: its save did not finish)"
+        )
+    try:
+        info = json.loads(marker.read_text())
+        files = info["files"]
+        int(info["step"]), int(info["world_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: corrupt {MARKER} marker ({exc})") from None
+    for rel, size in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} is missing")
+        if p.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {rel} has {p.stat().st_size} bytes, expected {size}"
+            )
+    return info
+
+
+def complete_checkpoints(root: Path) -> list[tuple[float, int, Path]]:
+    """(completion time, step, folder) of every valid checkpoint under root, oldest first."""
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if TAG_RE.match(p.name) and (p / MARKER).is_file():
+                try:
+                    info = read_marker(p)
+                except CheckpointError:
+                    continue
+                found.append((float(info.get("saved_at", 0.0)), int(info["step"]), p))
+    return sorted(found)
+
+
+def newest_complete(root: Path) -> Path | None:
+    # The most recently completed one, not the highest step: after resuming an older checkpoint into the
+    # same folder, the newer steps of the abandoned run must not win the next `--resume auto`.
+    found = complete_checkpoints(root)
+    return found[-1][2] if found else None
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """A folder that is (or was meant to be) one checkpoint, complete or not."""
+    return (path / MARKER).exists() or bool(TAG_RE.match(path.name)) or (path / STATE_DIR).is_dir()
+
+
+def find(path: str | os.PathLike, label: str | None = None) -> Path:
+    """The complete checkpoint a user's path names: the checkpoint folder itself (an error if incomplete or
+    corrupt), or the newest complete one in a run folder (its checkpoints/) or a folder of checkpoints.
+    `label` starts the error messages (default: the path)."""
+    path = Path(path)
+    label = label or str(path)
+    if not path.exists():
+        raise CheckpointError(f"{label}: no such file or folder")
+    if is_checkpoint_folder(path):
+        read_marker(path)
+        return path
+    for root in (path / "checkpoints", path):
+        found = newest_complete(root)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"{label}: no complete checkpoint in this folder (not a dstrain checkpoint, nor a run folder holding one)"
+    )
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> Path | None:
+    """The checkpoint folder to continue, None for a fresh start; CheckpointError for an unusable path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return newest_complete(checkpoint_root(output_dir))
+    return find(resume, label=f"--resume {resume}")
+
+
+def read_state(path: Path, rank: int = 0) -> dict[str, Any]:
+    """dstrain's own state of one rank (step, tokens, loader, RNG, the --model the run started from)."""
+    state_file = path / STATE_DIR / f"rank_{rank:05d}.json"
+    try:
+        return json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {state_file.name} ({exc})") from None
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The model config the checkpoint describes itself with (its config.json)."""
+    try:
+        return ModelConfig.from_hf_dict(json.loads((path / MODEL_CONFIG).read_text()))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read its {MODEL_CONFIG} ({exc})") from None
+
+
+# ------------------------------------------------------------------ save / load
+def _deepspeed_state_classes() -> list[type]:
+    """The non-tensor objects DeepSpeed 0.19 puts in its ZeRO 1/2/3 (fp32, bf16) checkpoints."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def install_safe_loading(engine: Any) -> None:
+    """Replace DeepSpeed's default checkpoint engine (a full unpickler: it can run code) by one that
+    loads weights-only. Saving is unchanged."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):  # noqa: ANN001, ANN202 - DeepSpeed's signature
+            with torch.serialization.safe_globals(_deepspeed_state_classes()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        safe = SafeCheckpointEngine.__new__(SafeCheckpointEngine)
+        safe.__dict__.update(engine.checkpoint_engine.__dict__)
+        engine.checkpoint_engine = safe
+
+
+def save(
+    engine: Any,
+    output_dir: str,
+    step: int,
+    state: dict[str, Any],
+    keep_last: int,
+    model_config: ModelConfig,
+    *,
+    model: Any,
+    groups: Any = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder (complete on return). The model's HF
+    config.json is written beside the weights so a checkpoint describes itself."""
+    root = checkpoint_root(output_dir)
+    tag = tag_for(step)
+    path = root / tag
+    rank, world = state["rank"], state["world_size"]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a partial leftover of a crashed save, or an older run's: never mix files
+            (path / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(path)
+    dist.barrier()
+    with _plain_module_files(engine):
+        engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
+    save_weights(model, path, rank=rank, groups=groups)
+    save_lora_settings(model, path, rank)
+    (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
+    if rank == 0:
+        write_json(path / MODEL_CONFIG, model_config.to_hf_dict())
+    if os.environ.get(KILL_ENV) == str(step) and rank == min(1, world - 1):
+        os.kill(os.getpid(), signal.SIGKILL)  # test hook: die after writing, before the marker
+    dist.barrier()
+    if rank == 0:
+        marker = {"step": step, "world_size": world, "saved_at": time.time(), "files": _files(path)}
+        write_json(path / MARKER, marker)
+        write_atomic(root / LATEST, tag)
+        _prune(root, keep_last, keep=path)
+    dist.barrier()
+    return path
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    if keep_last <= 0:
+        return
+    older = [p for _, _, p in complete_checkpoints(root) if p != keep]
+    for p in older[: max(0, len(older) - (keep_last - 1))]:
+        (p / MARKER).unlink(missing_ok=True)  # first, so a half-deleted folder never looks complete
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _plain_module_files(engine: Any) -> Iterator[None]:
+    """dstrain's expert-parallel experts are DeepSpeed MoE modules in type only (so ZeRO reduces them over the
+    expert-data-parallel group); DeepSpeed's MoE checkpoint code expects its own expert naming. Save and load
+    the module like any other: every rank's experts are restored from its own ZeRO partition of the fp32
+    master weights, and `weights/` holds them all for export."""
+    had = getattr(engine, "has_moe_layers", False)
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had
+
+
+def load(engine: Any, path: Path, rank: int, world_size: int) -> dict[str, Any]:
+    info = read_marker(path)
+    if int(info["world_size"]) != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {info['world_size']} ranks; this run has {world_size} "
+            "(exact resume needs the same data-parallel size)"
+        )
+    state = read_state(path, rank)
+    with _plain_module_files(engine):
+        load_path, _ = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    if load_path is None:
+        raise CheckpointError(f"checkpoint {path}: DeepSpeed could not load it")
+    return state

@@ -1,0 +1,161 @@
+"""Full-precision model weights in every checkpoint, in any layout, readable without DeepSpeed.
+
+`save_weights` (collective) writes CHECKPOINT/weights/: safetensors files of fp32 master weights in dstrain's
+state-dict naming plus one index per writing rank. Each tensor (or slice) is written once: a pipeline stage
+writes its own layers; a tensor-parallel or expert-parallel shard is written by its owner with where it sits
+in the full tensor; replicated tensors by one rank. `iter_weights` puts the pieces back together one tensor at
+a time (export streams from it; memory stays at one tensor plus one file's buffer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dstrain.model.loading import local_tensors, shard_of
+
+WEIGHTS_DIR = "weights"
+INDEX_RE = re.compile(r"^index-rank(\d+)\.json$")
+
+
+def _full_fp32(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master value of a parameter as this rank sees it whole (its TP/EP slice): DeepSpeed's
+    optimizer copy under ZeRO/bf16 (a collective over the parameter's data-parallel group)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    value = safe_get_full_fp32_param(param)
+    if value is None and hasattr(param, "ds_id"):  # frozen under ZeRO-3: no master copy, gather the weight
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().float().cpu().clone()
+    return (value if value is not None else param.detach()).float().cpu()
+
+
+def _writes(name: str, tensor: torch.Tensor, groups: Any, rank: int) -> bool:
+    if groups is None:
+        return rank == 0
+    if groups.tp_rank != 0 and not hasattr(tensor, "tp_shard"):
+        return False
+    if hasattr(tensor, "ep_shard"):
+        return groups.edp_rank == 0
+    return groups.dp_rank == 0
+
+
+def save_weights(
+    model: nn.Module, path: Path, *, rank: int, groups: Any = None, max_shard_bytes: int = 2**31
+) -> None:
+    """Collective: every rank calls it, with the same parameter order within each data-parallel group."""
+    from safetensors.torch import save_file
+
+    out = Path(path) / WEIGHTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {}
+    buf: dict[str, torch.Tensor] = {}
+    size, files = 0, 0
+
+    def flush() -> None:
+        nonlocal buf, size, files
+        if buf:
+            name = f"rank{rank:05d}-{files:05d}.safetensors"
+            save_file(buf, str(out / name))
+            for key in buf:
+                index[key]["file"] = name
+            buf, size, files = {}, 0, files + 1
+
+    for name, tensor in local_tensors(model, adapters=True):
+        if tensor.device.type == "meta":  # another pipeline stage's layer
+            continue
+        is_param = isinstance(tensor, nn.Parameter)
+        value = _full_fp32(tensor) if is_param else tensor.detach().float().cpu()
+        if not _writes(name, tensor, groups, rank):
+            continue
+        shard = shard_of(tensor)
+        full = list(value.shape)
+        if shard is not None:
+            full[shard[0]] *= shard[2]
+        index[name] = {
+            "shape": list(value.shape),
+            "full_shape": full,
+            "shard": list(shard) if shard else None,
+        }
+        buf[name] = value.contiguous()
+        size += value.numel() * 4
+        if size >= max_shard_bytes:
+            flush()
+    flush()
+    (out / f"index-rank{rank:05d}.json").write_text(
+        json.dumps({"format": "dstrain-weights-1", "tensors": index})
+    )
+
+
+def weights_index(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
+    """name -> {"full_shape", "pieces": [{"file", "shard"}...]} over every rank's index."""
+    root = Path(checkpoint_dir) / WEIGHTS_DIR
+    merged: dict[str, dict[str, Any]] = {}
+    files = sorted(p for p in root.glob("index-rank*.json") if INDEX_RE.match(p.name))
+    if not files:
+        raise FileNotFoundError(
+            f"{checkpoint_dir}: no {WEIGHTS_DIR}/index-rank*.json (not a dstrain checkpoint?)"
+        )
+    for f in files:
+        for name, entry in json.loads(f.read_text())["tensors"].items():
+            item = merged.setdefault(name, {"full_shape": entry["full_shape"], "pieces": []})
+            item["pieces"].append({"file": entry["file"], "shard": entry["shard"]})
+    for name, item in merged.items():
+        shards = [p["shard"] for p in item["pieces"]]
+        if shards[0] is None:
+            item["pieces"] = item["pieces"][:1]
+        else:
+            item["pieces"].sort(key=lambda p: p["shard"][1])
+            if [p["shard"][1] for p in item["pieces"]] != list(range(shards[0][2])):
+                raise ValueError(
+                    f"{checkpoint_dir}: {name} has shards {sorted(s[1] for s in shards)} of {shards[0][2]}"
+                )
+    return merged
+
+
+def iter_weights(checkpoint_dir: Path, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full fp32 tensor), one at a time, in index order (or the order of `names`)."""
+    from safetensors import safe_open
+
+    root = Path(checkpoint_dir) / WEIGHTS_DIR
+    index = weights_index(checkpoint_dir)
+    for name in names if names is not None else list(index):
+        item = index[name]
+        parts = []
+        for piece in item["pieces"]:
+            with safe_open(str(root / piece["file"]), framework="pt") as f:
+                parts.append(f.get_tensor(name))
+        dim = item["pieces"][0]["shard"][0] if item["pieces"][0]["shard"] else 0
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        assert list(tensor.shape) == item["full_shape"], (name, tensor.shape, item["full_shape"])
+        yield name, tensor
+
+
+@torch.no_grad()
+def load_local_weights(model: nn.Module, checkpoint_dir: Path) -> None:
+    """Copy this rank's slice of every saved tensor into `model` (its own layers, TP/EP shards). After
+    DeepSpeed's own load, so that module weights agree with the optimizer's restored fp32 master copy in
+    layouts whose module files DeepSpeed writes from one rank only (expert parallelism)."""
+    from safetensors import safe_open
+
+    root = Path(checkpoint_dir) / WEIGHTS_DIR
+    index = weights_index(checkpoint_dir)
+    for name, tensor in local_tensors(model, adapters=True):
+        if tensor.device.type == "meta":
+            continue
+        if name not in index:
+            raise KeyError(f"{checkpoint_dir}: weights/ has no {name}")
+        shard = shard_of(tensor)
+        pieces = index[name]["pieces"]
+        piece = pieces[shard[1]] if shard is not None else pieces[0]
+        with safe_open(str(root / piece["file"]), framework="pt") as f:
+            value = f.get_tensor(name)
+        tensor.copy_(value.to(tensor.dtype))

@@ -1,0 +1,140 @@
+"""Process group and device: the same code under `deepspeed`, `torchrun`, `accelerate launch`, `srun` and a
+plain `python dstrain/train.py` (one rank, no launcher environment), on GPUs (nccl) or CPUs (gloo)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as tdist
+
+from dstrain.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_world_size() -> int:
+    """World size as the launcher announced it (1 without a launcher): known before any process group."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill_env() -> None:
+    """torch.distributed's env:// needs RANK/WORLD_SIZE/MASTER_*; derive them from srun/mpirun or, with no
+    launcher at all, make a one-rank group on this machine."""
+    env = os.environ
+    if "RANK" not in env:
+        for rank, size, local in (
+            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ):
+            if rank in env and size in env:
+                env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = env[rank], env[size], env.get(local, "0")
+                break
+        else:
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        if int(env["WORLD_SIZE"]) > 1:
+            raise UserError("MASTER_PORT is not set: launch with deepspeed, torchrun or srun (see launch/)")
+        env["MASTER_PORT"] = str(_free_port())
+
+
+def pick_accelerator() -> str:
+    """'cuda' or 'cpu'. Sets DS_ACCELERATOR=cpu when unset and there is no GPU, before deepspeed is imported,
+    so DeepSpeed never probes for other accelerators."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return os.environ.get("DS_ACCELERATOR", "cuda")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return "cpu"
+
+
+def init_distributed() -> DistInfo:
+    accel = pick_accelerator()
+    _fill_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0) or min(
+        world, max(1, torch.cuda.device_count()) if accel == "cuda" else world
+    )
+    if accel == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one host share its cores; torch would otherwise give each rank all of them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    import deepspeed
+
+    if not tdist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return DistInfo(rank, world, local_rank, local_world, device, backend)
+
+
+def all_reduce(t: torch.Tensor, op: Any = None) -> torch.Tensor:
+    """In-place all-reduce (SUM by default) that is a no-op on one rank."""
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t, op=op or tdist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: T) -> T:
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def barrier() -> None:
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.barrier()
+
+
+def agree(fn: Callable[[], T]) -> T:
+    """Run fn on rank 0 only and give every rank its result, or raise its UserError on every rank, so a
+    decision made from rank 0's view (a checkpoint to resume) never leaves the other ranks waiting."""
+    result: tuple[str, Any]
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except UserError as exc:
+            result = ("error", (type(exc), str(exc)))
+    else:
+        result = ("", None)
+    kind, value = broadcast_object(result)
+    if kind == "error":
+        exc = value[0](value[1])
+        exc.all_ranks = True
+        raise exc
+    return value

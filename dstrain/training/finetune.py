@@ -1,0 +1,35 @@
+"""What trains in a fine-tune: LoRA adapters on the chosen linears (the module transform is
+`dstrain.model.lora`), and the router weights and MTP modules trainable or frozen explicitly."""
+
+from __future__ import annotations
+
+from dstrain.errors import ConfigError
+from dstrain.model import DeepSeekLM
+from dstrain.model.lora import apply_lora, lora_modules
+
+from .options import LoRAOptions
+
+
+def apply_finetune_options(model: DeepSeekLM, lora: LoRAOptions, seed: int) -> list[str]:
+    """LoRA (lora_r > 0) on `lora_targets`, then the router weights and the MTP modules made trainable or
+    frozen (train_router, train_mtp). The expert bias is a buffer, governed by --moe_bias_update_speed alone.
+    Returns the adapted module names ([] without LoRA)."""
+    names: list[str] = []
+    if lora.lora_r > 0:
+        try:
+            names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets, seed=seed)
+        except ValueError as exc:
+            raise ConfigError(f"--lora_targets {lora.lora_targets}: {exc}") from None
+    adapted = {id(m.weight) for m in lora_modules(model).values()}
+    for p in model.mtp.parameters():
+        if id(p) not in adapted:  # a LoRA base weight stays frozen whatever train_mtp says
+            p.requires_grad = lora.train_mtp
+    for router in model.routers():
+        router.weight.requires_grad = lora.train_router
+    if names:
+        model.lora_settings.update(
+            train_router=bool(lora.train_router),
+            train_mtp=bool(lora.train_mtp),
+            bias_update_speed=float(model.config.bias_update_speed),
+        )
+    return names

@@ -1,0 +1,130 @@
+"""The resolved run: options, model config, DeepSpeed config and parallel layout, decided once.
+
+`prepare(opts, world)` does everything that needs no process group and allocates nothing: the DeepSpeed JSON
+is read and its "auto" fields filled, the model config built with the options' overrides, the layout checked
+against the model and the ZeRO stage, a `--model` folder's headers checked against its config. Every later
+component (the trainer, the builders, checkpoints, tests, benchmarks) reads this `RunPlan` and derives
+nothing from the raw JSON again.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dstrain import dist
+from dstrain.errors import ConfigError
+from dstrain.model import ModelConfig, get_config
+from dstrain.parallel import ParallelDims
+
+from .ds_config import (
+    finalize_paths,
+    layout_sections,
+    load_ds_config,
+    offloads_optimizer,
+    resolve_ds_config,
+    resolve_precision,
+    write_resolved,
+)
+from .options import Options
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    opts: Options
+    """The options, by section."""
+    model: ModelConfig
+    """The model config that trains: the preset's or the folder's, with the options' overrides."""
+    ds: dict[str, Any]
+    """What deepspeed.initialize gets: DeepSpeed's own keys only, every "auto" filled."""
+    dims: ParallelDims
+    """The parallel layout."""
+    stage: int
+    """ZeRO stage."""
+    precision: str
+    """'fp32' or 'bf16' (bf16 weights and activations, fp32 master weights)."""
+    offload: bool
+    """Optimizer states and step on the CPU (ZeRO offload_optimizer)."""
+    device_type: str
+    """'cuda' or 'cpu'."""
+    output_dir: str | None = None
+    """The run folder; set by `with_output_dir` once the ranks agree on it."""
+
+    @property
+    def global_batch_rows(self) -> int:
+        """Rows per optimizer step over all data-parallel ranks."""
+        return int(self.ds["train_batch_size"])
+
+    def with_output_dir(self, output_dir: str) -> RunPlan:
+        """The plan writing under `output_dir` (DeepSpeed monitors with an "auto" output path go there)."""
+        ds = copy.deepcopy(self.ds)
+        finalize_paths(ds, output_dir)
+        return dataclasses.replace(self, ds=ds, output_dir=output_dir)
+
+    def write_resolved(self) -> str:
+        """ds_config.resolved.json in the run folder: the DeepSpeed config as it runs, with dstrain's layout
+        sections (a valid --config for the same run)."""
+        assert self.output_dir is not None, "with_output_dir first"
+        return write_resolved({**self.ds, **layout_sections(self.dims)}, self.output_dir)
+
+
+def model_config(opts: Options, base: ModelConfig | None = None) -> ModelConfig:
+    """The model config that trains: `base` (default: the --model preset or folder's) with the overrides."""
+    if base is None:
+        try:
+            base = get_config(opts.model.model)
+        except ValueError as exc:
+            raise ConfigError(f"--model {opts.model.model}: {exc}") from None
+    return base.replace(**opts.model.config_overrides())
+
+
+def prepare(opts: Options, world: int | None = None, model: ModelConfig | None = None) -> RunPlan:
+    """Resolve the run for `world` ranks (default: what the launcher announced). `model` replaces the
+    --model preset's config (tests and benchmarks use their own shapes). Raises ConfigError."""
+    world = dist.launcher_world_size() if world is None else world
+    device_type = dist.pick_accelerator()
+    _, raw = load_ds_config(opts.layout.config)
+    cfg = model_config(opts, model)
+    precision = resolve_precision(opts.layout.precision, raw, device_type)
+    ds, dims = resolve_ds_config(
+        raw,
+        opts.layout,
+        opts.optimizer,
+        opts.schedule,
+        world_size=world,
+        precision=precision,
+        hidden_size=cfg.hidden_size,
+    )
+    stage = int(ds["zero_optimization"].get("stage", 0))
+    offload = offloads_optimizer(ds)
+    if opts.run.nan_policy == "skip" and stage == 0:
+        raise ConfigError(
+            "--nan_policy skip needs zero_optimization.stage >= 1 (stage 0 cannot skip an update)"
+        )
+    try:
+        dims.validate(cfg, stage, offload=offload)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.lora.lora_r and dims.tp > 1:
+        raise ConfigError(
+            f"--lora_r {opts.lora.lora_r} with --tp {dims.tp}: LoRA under tensor parallelism is not supported"
+        )
+    if os.path.isdir(opts.model.model):
+        check_model_folder(opts.model.model, cfg)
+    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type)
+
+
+def check_model_folder(path: str, cfg: ModelConfig) -> None:
+    """A folder that does not fit its own config.json is a one-line error here, before any process group or
+    allocation (headers only: nothing is read)."""
+    from dstrain.model.loading import check_folder
+    from dstrain.model.reader import HFReader
+
+    try:
+        with HFReader(path, cfg) as reader:
+            check_folder(reader, cfg)
+    except ValueError as exc:
+        raise ConfigError(f"--model {path}: {exc}") from None

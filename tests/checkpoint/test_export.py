@@ -1,0 +1,174 @@
+"""`dstrain export`: a dstrain checkpoint back to the exact Hugging Face folder it started from, LoRA merged
+or as a PEFT adapter, --verify against transformers, and the user errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import torch
+
+import dstrain.checkpoint.export as ex
+from dstrain.checkpoint import store
+from dstrain.checkpoint.lora import save_lora_settings
+from dstrain.checkpoint.weights import save_weights
+from dstrain.model import from_pretrained
+from dstrain.model.hf import SAFE_INDEX
+from dstrain.model.lora import lora_modules, merge_lora
+from dstrain.training.finetune import apply_finetune_options
+from tests.conftest import byte_tokenizer
+from tests.model.hf_fixtures import make_hf_model, read_folder, v2_config, v3_config
+from tests.model.test_lora import expected_default, randomize_adapters
+from tests.training.runs import read_weights, train
+from tests.training.support import make_options
+
+
+def test_round_trip_is_bit_identical(trained, tmp_path, capsys):
+    """transformers-written folder (bf16, MTP layer, sharded) -> dstrain --max_steps 0 -> export: the same
+    key set and the same bits, the config's dtype, the tokenizer alongside; small shards get an index."""
+    out = tmp_path / "out"
+    assert ex.main([str(trained["full"]), "--out", str(out), "--verify"]) == 0
+    assert "verify: max |logits diff|" in capsys.readouterr().out
+    src, got = read_folder(trained["hf"]), read_folder(out)
+    assert got.keys() == src.keys()
+    for k in src:
+        assert got[k].dtype == src[k].dtype and torch.equal(got[k], src[k]), k
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dtype"] == "bfloat16" and conf["model_type"] == "deepseek_v3"
+    assert conf["num_nextn_predict_layers"] == 1
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    # the run's output dir (its `latest`), sharded small, overwritten with --force
+    info = ex.export(trained["full"].parents[1], out, force=True, max_shard_bytes=64 * 1024)
+    assert len(info["files"]) > 2 and (out / SAFE_INDEX).is_file()
+    assert not (out / "model.safetensors").exists()  # the earlier single file did not survive
+    again = read_folder(out)
+    assert again.keys() == src.keys() and all(torch.equal(again[k], src[k]) for k in src)
+
+
+def test_user_errors_exit_2(trained, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert ex.main([str(trained["full"]), "--out", str(out)]) == 2
+    assert "is not empty: choose another folder or pass --force" in capsys.readouterr().err
+    partial = tmp_path / "step_00000000"
+    shutil.copytree(trained["full"], partial)
+    (partial / "COMPLETE").unlink()
+    assert ex.main([str(partial), "--out", str(tmp_path / "x")]) == 2
+    assert "is incomplete (no COMPLETE marker" in capsys.readouterr().err
+    assert ex.main([str(tmp_path), "--out", str(tmp_path / "y")]) == 2
+    assert "not a dstrain checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # an adapter needs LoRA; shared-expert adapters would hit the peft trap
+    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "a"), "--adapter_only"]) == 2
+    assert "no LoRA adapters" in capsys.readouterr().err
+    assert ex.main([str(trained["lora3"]), "--out", str(tmp_path / "b"), "--adapter_only"]) == 2
+    assert "onto the routed experts" in capsys.readouterr().err
+
+
+def test_lora_merged_export(trained, tmp_path):
+    """Adapted weights are exported as W + (alpha/r)·B·A, everything else bit for bit; transformers loads the
+    folder and --verify (adapters unmerged on dstrain's side) agrees."""
+    out = tmp_path / "out"
+    assert ex.main([str(trained["lora3"]), "--out", str(out), "--dtype", "float32", "--verify"]) == 0
+    weights = dict(read_weights(trained["lora3"]))
+    got = read_folder(out)
+    adapted = expected_default(3)
+    cfg = store.read_model_config(trained["lora3"])
+    moved = 0
+    for m in adapted:
+        w, a, b = weights[f"{m}.weight"], weights[f"{m}.lora_A"], weights[f"{m}.lora_B"]
+        key = f"model.layers.{cfg.num_hidden_layers}.{m.removeprefix('mtp.0.block.')}"
+        key = (f"model.{m}" if not m.startswith("mtp.") else key) + ".weight"
+        assert torch.allclose(got[key], w + 2.0 * b @ a, atol=1e-6), key
+        moved += not torch.equal(got[key], w)
+    assert moved == len([m for m in adapted if not m.startswith("mtp.")])  # MTP adapters were frozen
+    assert torch.equal(got["model.layers.1.mlp.gate.weight"], weights["layers.1.mlp.gate.weight"])
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, monkeypatch, capsys):
+    real = ex.to_hf
+
+    def corrupting(*args, **kw):
+        for key, t in real(*args, **kw):
+            yield key, (t + 0.05 if key == "model.layers.1.self_attn.o_proj.weight" else t)
+
+    monkeypatch.setattr(ex, "to_hf", corrupting)
+    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def fake_checkpoint(path, model, source):
+    """A complete checkpoint folder as export reads it, with `model`'s weights as checkpoint.save writes them."""
+    path.mkdir(parents=True)
+    save_weights(model, path, rank=0)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    (path / "dstrain_state").mkdir()
+    (path / "dstrain_state" / "rank_00000.json").write_text(json.dumps({"model": str(source)}))
+    save_lora_settings(model, path, rank=0)
+    marker = {"step": 0, "world_size": 1, "saved_at": 0.0, "files": store._files(path)}
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    return path
+
+
+def test_adapter_only_loads_with_peft(tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import DeepseekV3ForCausalLM
+
+    base = tmp_path / "base"
+    make_hf_model(v3_config()).save_pretrained(base)
+    ours = from_pretrained(base, dtype=torch.float32).eval()
+    ours.config.bias_update_speed = 0.0
+    args = ["--lora_r", "4", "--lora_targets", "q_b_proj,kv_b_proj,o_proj", "--no-train_router"]
+    opts = make_options(args)
+    apply_finetune_options(ours, opts.lora, opts.run.seed)
+    randomize_adapters(ours)
+    ckpt = fake_checkpoint(tmp_path / "step_00000000", ours, base)
+    out = tmp_path / "adapter"
+    assert ex.main([str(ckpt), "--out", str(out), "--adapter_only", "--dtype", "float32"]) == 0
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(base)
+    hf = PeftModel.from_pretrained(
+        DeepseekV3ForCausalLM.from_pretrained(base, dtype=torch.float32), out
+    ).eval()
+    merged = {n: m.weight.detach().clone() for n, m in lora_modules(ours).items()}
+    merge_lora(ours)
+    assert any(not torch.equal(merged[n], ours.get_submodule(n).weight) for n in merged)
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        assert (hf(input_ids=ids, use_cache=False).logits - ours(ids).logits).abs().max() <= 1e-5
+    # trained routers cannot travel in an adapter
+    again = from_pretrained(base, dtype=torch.float32)
+    opts = make_options(args[:-1])
+    apply_finetune_options(again, opts.lora, opts.run.seed)
+    ckpt2 = fake_checkpoint(tmp_path / "r" / "step_00000000", again, base)
+    assert ex.main([str(ckpt2), "--out", str(tmp_path / "a2"), "--adapter_only"]) == 2
+    assert "the routers were trained too" in capsys.readouterr().err
+
+
+def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
+    """A V2-Lite-shaped folder transformers wrote (no q_lora_rank, softmax routing, no expert bias, no MTP):
+    0 steps -> export gives its exact bits back as deepseek_v2; 2 LoRA steps -> merged export loads in
+    transformers with dstrain's logits."""
+    src = tmp_path / "v2"
+    make_hf_model(v2_config(topk_method="greedy", n_group=1, topk_group=1)).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    run = f"--model {src} --output_dir {tmp_path / 'run'} --lora_r 4 --lora_targets q_proj,o_proj".split()
+    run.append("--no-train_router")
+    assert re.search(
+        r"dstrain: loaded .*v2: rank 0 read \d+ KiB of \d+ KiB", train([*run, "--max_steps", "0"]).stdout
+    )
+    train([*run, "--max_steps", "2", "--resume", "auto"])
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert ex.main([str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0
+    want, got = read_folder(src), read_folder(tmp_path / "out0")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "out0" / "config.json").read_text())["model_type"] == "deepseek_v2"
+    capsys.readouterr()
+    assert ex.main([str(ckpts / "step_00000002"), "--out", str(tmp_path / "out2"), "--verify"]) == 0
+    assert "verify: max |logits diff|" in capsys.readouterr().out
+    merged = read_folder(tmp_path / "out2")
+    changed = [k for k in want if not torch.equal(merged[k], want[k])]
+    assert changed and all(k.endswith(("q_proj.weight", "o_proj.weight")) for k in changed), changed

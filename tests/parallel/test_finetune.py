@@ -1,0 +1,136 @@
+"""Fine-tuning from a Hugging Face folder in the layouts that load without any rank holding the whole model:
+ZeRO-3 (partitioned init) on 2 ranks, ZeRO++ hpz, PP2, TP2 and EP2, and LoRA under ZeRO-3 and PP2. Each loads the folder, checkpoints at step 0 (export ->
+the source's exact bits) and after 3 steps (export --verify: transformers' logits equal dstrain's), trains like
+one process fine-tuning the same folder, and reads less than the whole folder on every rank."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.conftest import launch, tiny_config
+from tests.model.hf_fixtures import read_folder
+from tests.parallel.worker import FINETUNE, FT_STEPS, GLOBAL_ROWS, common
+from tests.training.support import make_options, reference_run
+
+pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A sharded fp32 folder in the official layout (MTP layer included), every weight random: norms and
+    the expert bias too, so a tensor left at its fresh-init value would show."""
+    from dstrain.model import build_model, save_pretrained
+
+    folder = tmp_path_factory.mktemp("hf") / "src"
+    model = build_model(tiny_config(), seed=11)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+        for r in model.routers():
+            r.e_score_correction_bias.copy_(0.01 * torch.randn(r.e_score_correction_bias.shape, generator=g))
+    save_pretrained(model, folder, dtype="float32", max_shard_bytes=96 * 1024)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finetuned(source, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ft")
+    proc = launch(["-m", "tests.parallel.worker", str(tmp), "--hf", str(source), *FINETUNE], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = {
+        n: [json.loads((tmp / f"{n}_rank{r}.json").read_text()) for r in range(2)]
+        for n in [*FINETUNE, "z3_bf16"]
+    }
+    return tmp, res
+
+
+@pytest.fixture(scope="module")
+def reference(source):
+    """One process fine-tuning the folder, without and with LoRA (adapters seeded by module name, so they
+    start the same in every layout)."""
+    from dstrain.model import from_pretrained
+    from dstrain.training.finetune import apply_finetune_options
+
+    runs = {}
+    for lora in ("", "--lora_r 4 --lora_alpha 8"):
+        model = from_pretrained(source, dtype=torch.float32)
+        opts = make_options([*common(1).split(), "--max_steps", str(FT_STEPS), *lora.split()])
+        apply_finetune_options(model, opts.lora, opts.run.seed)
+        runs[bool(lora)] = reference_run(
+            model.config, opts, steps=FT_STEPS, global_batch=GLOBAL_ROWS, model=model
+        )
+    return runs
+
+
+@pytest.mark.parametrize("name", list(FINETUNE))
+def test_loaded_weights_are_the_folders_bits(finetuned, source, tmp_path, name):
+    from dstrain.checkpoint.export import export
+
+    tmp, _ = finetuned
+    export(tmp / name / "steps0" / "checkpoints" / "step_00000000", tmp_path / "out")
+    src, got = read_folder(source), read_folder(tmp_path / "out")
+    assert got.keys() == src.keys()
+    for k in src:
+        assert got[k].dtype == src[k].dtype and torch.equal(got[k], src[k]), k
+
+
+@pytest.mark.parametrize("name", list(FINETUNE))
+def test_finetunes_like_one_process(finetuned, reference, name):
+    _, res = finetuned
+    hist = res[name][0][str(FT_STEPS)]["history"]
+    assert len(hist) == FT_STEPS
+    dev = max(
+        max(abs(g[k] - w[k]) / abs(w[k]) for k in ("loss", "grad_norm"))
+        for g, w in zip(hist, reference["lora" in name], strict=True)
+    )
+    print(name, f"max relative deviation {dev:.1e}")
+    assert dev <= 1e-5, (name, hist, reference["lora" in name])
+
+
+@pytest.mark.parametrize("name", list(FINETUNE))
+def test_export_after_finetuning_matches_transformers(finetuned, tmp_path, name, capsys):
+    from dstrain.checkpoint.export import main as export_main
+
+    tmp, _ = finetuned
+    ckpt = tmp / name / f"steps{FT_STEPS}" / "checkpoints" / f"step_{FT_STEPS:08d}"
+    assert export_main([str(ckpt), "--out", str(tmp_path / "hf"), "--verify"]) == 0
+    found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
+    assert found and float(found.group(1)) <= 1e-5, found
+
+
+@pytest.mark.parametrize("name", list(FINETUNE))
+def test_each_rank_reads_only_what_it_holds(finetuned, name):
+    _, res = finetuned
+    runs = [r["0"] for r in res[name]]
+    total = runs[0]["load"]["checkpoint_bytes"]
+    read = [x["load"]["bytes_read"] for x in runs]
+    print(name, [f"{b / total:.2f}" for b in read], [x["load"]["peak_rss_growth"] for x in runs])
+    if name == "ft_z3_hpz":  # one tensor at a time through rank 0, which DeepSpeed then partitions
+        assert read[0] >= total and 0 < read[1] < 0.01 * total, (read, total)  # rank 1: the expert bias only
+        return
+    assert all(0 < b < total for b in read), (read, total)
+    if name.startswith("ft_z3"):  # each partition once, plus the rows two partitions share (a tiny model's)
+        assert total <= sum(read) <= 1.25 * total, (read, total)
+    else:  # a stage's layers, a TP slice, a range of experts: exactly the bytes of what the rank keeps
+        assert read == [x["held_bytes"] for x in runs], (read, [x["held_bytes"] for x in runs])
+
+
+def test_zero3_bf16_keeps_the_expert_bias_fp32(finetuned, source):
+    """zero.Init casts every buffer to bf16, where bias steps of γ = 1e-3 near 0.4 would round away."""
+    from dstrain.model import get_config
+    from dstrain.model.reader import HFReader
+
+    _, res = finetuned
+    with HFReader(source, get_config(source)) as reader:
+        want = [reader.read(k).tolist() for k in sorted(reader.sources) if k.endswith("correction_bias")]
+    for rank in res["z3_bf16"]:
+        assert [v for _, v in rank["loaded"]] == want  # exact fp32 values
+        assert all(d == "torch.float32" for d, _ in rank["loaded"] + rank["trained"])
+        steps = torch.tensor([v for _, v in rank["trained"]]) - torch.tensor(want)
+        gamma = get_config(source).bias_update_speed  # the folder's (its config.json has none: the default)
+        assert steps.abs().max() > 0 and torch.allclose(steps / gamma, (steps / gamma).round(), atol=1e-3)

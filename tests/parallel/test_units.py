@@ -1,0 +1,140 @@
+"""Layout validation and bookkeeping that needs no process group: one-line errors before anything is
+allocated, dstrain's rank layout equal to DeepSpeed's expert groups, pipeline partitions, config sections."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dstrain.errors import ConfigError
+from dstrain.parallel import ParallelDims
+from dstrain.parallel.dims import layout_ranks
+from dstrain.parallel.pipe import parse_partition
+from dstrain.training.plan import prepare
+from tests.conftest import ROOT, tiny_config
+from tests.training.support import make_options
+
+
+def _resolve(flags: str, world: int, config: str = "zero1"):  # noqa: ANN202 - a RunPlan
+    return prepare(make_options(f"--config {config} {flags}".split()), world, model=tiny_config())
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        (dict(world=6, tp=4), "world size 6 is not divisible by --pp 1 x --tp 4 = 4"),
+        (dict(world=4, pp=2, ep=4), "--ep 4 must divide the data-parallel size 2"),
+        (dict(world=0, pp=0), "--pp 0: must be a positive integer"),
+    ],
+)
+def test_sizes_that_cannot_tile_the_world(dims, message):
+    with pytest.raises(ValueError) as err:
+        ParallelDims(**dims)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("dims", "stage", "cfg", "message"),
+    [
+        (dict(tp=4), 1, {}, "--tp 4 must divide num_attention_heads 2"),
+        (dict(ep=8), 1, {}, "--ep 8 must divide n_routed_experts 4"),
+        (dict(pp=4), 1, {}, "--pp 4 exceeds num_hidden_layers 2"),
+        (dict(pp=2), 2, {}, "--pp 2 with ZeRO-2: DeepSpeed's pipeline engine supports ZeRO stage 0-1 only"),
+        (dict(pp=2), 3, {}, "--pp 2 with ZeRO-3"),
+        (dict(ep=2), 3, {}, "--ep 2 with ZeRO-3: expert parallelism needs ZeRO stage 1 or 2"),
+        (dict(tp=2), 3, {}, "--tp 2 with ZeRO-3"),
+        (dict(tp=2), 0, {}, "dp 4 x tp 2 with ZeRO-0"),
+        (dict(pp=2), 1, {"tie_word_embeddings": True}, "--pp 2: tie_word_embeddings=true"),
+        (dict(tp=2), 1, {"intermediate_size": 63}, "--tp 2 must divide intermediate_size 63"),
+    ],
+)
+def test_layouts_the_model_or_zero_stage_cannot_take(dims, stage, cfg, message):
+    with pytest.raises(ValueError) as err:
+        ParallelDims(8, **dims).validate(tiny_config(**cfg), stage)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("world", "pp", "tp", "ep"), [(8, 1, 1, 2), (8, 2, 2, 2), (16, 2, 2, 4), (8, 1, 2, 4)]
+)
+def test_rank_layout_is_deepspeeds(world, pp, tp, ep):
+    """dstrain dispatches tokens over the same EP groups whose expert gradients DeepSpeed's ZeRO reduces."""
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    ours = layout_ranks(ParallelDims(world, pp=pp, tp=tp, ep=ep))
+    ep_groups, edp_groups = _get_expert_parallel_ranks(world, tp, ep, pp)
+    assert sorted(ours["ep"]) == sorted(ep_groups)
+    assert sorted(ours["edp"]) == sorted(edp_groups)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+    assert sorted(ours["dp"]) == sorted(topo.get_axis_comm_lists("data"))
+    assert sorted(ours["tp"]) == sorted(topo.get_axis_comm_lists("model"))
+
+
+def test_pipeline_partition_spec():
+    assert parse_partition("parameters", 2, 4) == "parameters"
+    assert parse_partition("2", 2, 4) == [0, 3, 6]  # [Embed, blocks 0-1] [blocks 2-3, Tail]
+    assert parse_partition("1,3", 3, 4) == [0, 2, 4, 6]
+    for bad in ("0", "4", "2,1", "x"):
+        with pytest.raises(ValueError, match="--pp_partition"):
+            parse_partition(bad, 2 if "," not in bad else 3, 4)
+
+
+def test_sizes_from_flags_and_config_sections():
+    plan = _resolve("--pp 2", 4)
+    assert plan.dims == ParallelDims(4, pp=2)
+    assert plan.ds["pipeline"]["pipe_partitioned"] is False  # several activations need gradients
+    assert plan.ds["train_batch_size"] == 4 * 2  # micro 4 x GA 1 x dp 2
+    plan = _resolve("", 4, config="tp2_zero2")
+    assert plan.dims == ParallelDims(4, tp=2)
+    assert "tensor_parallel" not in plan.ds  # dstrain's own section: DeepSpeed would read it as AutoTP
+    assert _resolve("", 2, config="ep_zero2").dims == ParallelDims(2, ep=2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel.tp_size=2 conflicts with --tp 1"):
+        _resolve("--tp 1", 4, config="tp2_zero2")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            {"tensor_parallel": {"autotp_size": 2}},
+            "ds_config tensor_parallel.autotp_size: DeepSpeed AutoTP is not used",
+        ),
+        (
+            {"expert_parallel": {"enabled": True}},
+            "ds_config expert_parallel.enabled: DeepSpeed AutoEP is not used",
+        ),
+        ({"moe": {"ep_size": 2}}, "ds_config moe="),
+        ({"pipeline": {"stages": 2, "micro_batches": 3}}, "ds_config pipeline.micro_batches: unknown key"),
+    ],
+)
+def test_deepspeed_automatic_paths_are_refused(tmp_path, section, message):
+    raw = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    raw.update(section)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as err:
+        _resolve("", 4, config=str(path))
+    assert str(err.value).startswith(message)
+
+
+def test_cli_refuses_a_bad_layout_before_starting():
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    proc = subprocess.run(
+        [sys.executable, "dstrain/train.py", "--config", "zero2", "--ep", "4"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dstrain: error: --ep 4 must divide the data-parallel size 2 (world 2 / (pp x tp))"
+    )

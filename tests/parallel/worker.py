@@ -1,0 +1,151 @@
+"""Multi-rank worker for tests/parallel/test_layouts.py: `python -m torch.distributed.run --nproc_per_node N
+-m tests.parallel.worker OUT LAYOUT [LAYOUT ...]` (from the repository root) trains each layout 5 steps on the same global batches
+(4 rows/step), saves at step 3 and 5, resumes from 3 in the same layout, and writes OUT/LAYOUT.json.
+
+adam_eps 1e-6: with the default 1e-8, a weight whose gradient is ~1e-9 (a nearly dead MLP neuron of this tiny
+model) gets an Adam step of ~lr * g / (|g| + eps) that turns fp32 summation-order noise into a visible
+difference; the larger eps keeps the comparison about the layouts, not about that amplification."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT
+from tests.training.support import make_options, make_trainer
+
+GLOBAL_ROWS = 4
+STEPS = 5
+LAYOUTS = {  # name -> flags
+    "pp2": "--config zero1 --pp 2",
+    "tp2": "--config zero1 --tp 2",
+    "tp2_z2": "--config zero2 --tp 2",
+    "ep2_z1": "--config zero1 --ep 2",
+    "ep2_z2": "--config zero2 --ep 2",
+    "dp2_z1": "--config zero1",
+    "dp2_z2": "--config zero2",
+    "dp2_z3": "--config zero3",
+    "pp2dp2": "--config zero1 --pp 2",
+    "tp2dp2": "--config zero2 --tp 2",
+    "ep2dp2": "--config zero2 --ep 2",
+    "pp2tp2": "--config zero1 --pp 2 --tp 2",
+    "dp4_z1": "--config zero1",
+}
+
+
+def common(dp: int) -> str:
+    micro = 1 if dp > 1 else 2
+    ga = GLOBAL_ROWS // (micro * dp)
+    return (
+        f"--micro_batch_size {micro} --gradient_accumulation_steps {ga} --max_steps {STEPS} --clip_grad 0.5 "
+        "--save_every 3 --keep_last 0 --precision fp32 --adam_eps 1e-6 --peak_tflops 1"
+    )
+
+
+# Fine-tuning from a Hugging Face folder (tests/parallel/test_finetune.py): `... OUT --hf FOLDER LAYOUT...`
+FINETUNE = {
+    "ft_z3": "--config zero3",
+    "ft_pp2": "--config zero1 --pp 2",
+    "ft_tp2": "--config zero1 --tp 2",
+    "ft_ep2": "--config zero2 --ep 2",
+    "ft_z3_lora": "--config zero3 --lora_r 4 --lora_alpha 8",
+    "ft_pp2_lora": "--config zero1 --pp 2 --lora_r 4 --lora_alpha 8",
+    "ft_z3_hpz": "--config {out}/zero3_hpz.json",  # ZeRO++ secondary partitions: filled through one rank
+}
+FT_STEPS = 3
+
+
+def trainer(
+    flags: str, out_dir: str, info, resume: str | None = None, extra: str = "", hf: str | None = None
+):  # noqa: ANN001, ANN201
+    """Train `flags` (a layout) with the common settings for its data-parallel size, on the tiny test model
+    or the HF folder `hf`."""
+    if hf is not None:
+        extra = f"{extra} --model {hf}"
+    from dstrain.training.plan import prepare
+    from tests.conftest import tiny_config
+
+    dp = prepare(make_options(flags.split()), info.world_size, model=tiny_config()).dims.dp
+    opts = make_options(f"{flags} {common(dp)} {extra}".split())
+    return make_trainer(opts, out_dir, info, resume=resume)
+
+
+def main(out: str, layouts: list[str]) -> None:
+    from dstrain import dist
+
+    info = dist.init_distributed()
+    for name in layouts:
+        base = f"{out}/{name}"
+        t0 = time.perf_counter()
+        tr = trainer(LAYOUTS[name], f"{base}/straight", info)
+        tr.run()
+        wall = time.perf_counter() - t0
+        hist = [
+            {k: r[k] for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu")} for r in tr.history
+        ]
+        tr = trainer(
+            LAYOUTS[name], f"{base}/resumed", info, resume=f"{base}/straight/checkpoints/step_00000003"
+        )
+        tr.run()
+        resumed = [r["loss"] for r in tr.history]
+        if info.rank == 0:
+            Path(f"{base}.json").write_text(json.dumps({"history": hist, "resumed": resumed, "wall_s": wall}))
+        dist.barrier()
+
+
+def held_bytes(model) -> int:  # noqa: ANN001
+    """What this rank keeps of the model outside ZeRO-3, in the fp32 source's bytes."""
+    from dstrain.model.loading import local_tensors
+
+    return sum(t.numel() * 4 for _, t in local_tensors(model) if not t.is_meta)
+
+
+def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
+    """Each layout: --max_steps 0 (the loaded weights, checkpointed as they are) and FT_STEPS steps."""
+    from deepspeed.utils import groups as deepspeed_groups
+
+    from dstrain import dist
+
+    info = dist.init_distributed()
+    hpz = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    hpz["zero_optimization"]["zero_hpz_partition_size"] = 2
+    Path(out, "zero3_hpz.json").write_text(json.dumps(hpz))
+    for name in layouts:
+        res = {}
+        for steps in (0, FT_STEPS):
+            # DeepSpeed creates the ZeRO++ group once per process and asserts on a second zero.Init
+            deepspeed_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+            tr = trainer(
+                FINETUNE[name].format(out=out),
+                f"{out}/{name}/steps{steps}",
+                info,
+                extra=f"--max_steps {steps}",
+                hf=folder,
+            )
+            tr.run()
+            res[steps] = {
+                "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
+                "load": tr.load_stats,
+                "held_bytes": held_bytes(tr.model),
+            }
+        Path(f"{out}/{name}_rank{info.rank}.json").write_text(json.dumps(res))
+        dist.barrier()
+    # ZeRO-3 in bf16: the expert bias must load and stay fp32 (zero.Init casts buffers to the training dtype)
+    tr = trainer("--config zero3", f"{out}/z3_bf16", info, extra="--max_steps 2 --precision bf16", hf=folder)
+    loaded = [
+        (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
+    ]
+    tr.run()
+    trained = [
+        (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
+    ]
+    Path(f"{out}/z3_bf16_rank{info.rank}.json").write_text(json.dumps({"loaded": loaded, "trained": trained}))
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "--hf":
+        finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
+    else:
+        main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,136 @@
+"""Shared pieces of the trainer tests: a batch source that defines each GLOBAL batch independently of how it
+is split over ranks and micro batches, options and a Trainer from flags the way `dstrain train` makes them,
+and a plain-PyTorch reference loop."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tests.conftest import VOCAB, tiny_config
+
+SEQ = 32
+
+
+def global_row(index: int, seq: int = SEQ, same_token: int | None = None) -> dict[str, torch.Tensor]:
+    """Row `index` of the stream: packed documents (position_ids restart) and a masked prefix of uneven
+    length, so micro batches hold different numbers of targets."""
+    g = torch.Generator().manual_seed(10_000 + index)
+    ids = torch.randint(2, VOCAB, (seq,), generator=g)
+    if same_token is not None:
+        ids = torch.full((seq,), same_token)
+    labels = ids.clone()
+    labels[: int(torch.randint(0, seq // 2, (1,), generator=g))] = -100
+    cut = int(torch.randint(4, seq - 4, (1,), generator=g))
+    pos = torch.cat([torch.arange(cut), torch.arange(seq - cut)])
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+class GlobalRows:
+    """Loader of micro batches: step s's global batch is rows [s*G, (s+1)*G), G = micro*GA*world; rank r's
+    micro batch i takes its slice. state_dict/load_state_dict like the data package's loader."""
+
+    def __init__(self, micro: int, ga: int, rank: int, world: int, same_token: int | None = None) -> None:
+        self.micro, self.ga, self.rank, self.world, self.same_token = micro, ga, rank, world, same_token
+        self.pulled = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        step, i = divmod(self.pulled, self.ga)
+        start = step * self.micro * self.ga * self.world + (self.rank * self.ga + i) * self.micro
+        self.pulled += 1
+        return stack([global_row(start + j, same_token=self.same_token) for j in range(self.micro)])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pulled": self.pulled}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pulled = int(state["pulled"])
+
+
+def make_options(extra: list[str]):  # noqa: ANN201 - dstrain.training.options.Options
+    """Options from flags, with the tests' row length and a short warmup."""
+    from dstrain.training.options import parse_options
+
+    return parse_options(["--seq_len", str(SEQ), "--warmup_steps", "2", "--lr", "3e-3", *extra])
+
+
+def make_trainer(
+    opts,  # noqa: ANN001
+    out_dir: str,
+    info,  # noqa: ANN001
+    *,
+    cfg=None,  # noqa: ANN001
+    loader: Any = None,
+    resume: str | None = None,
+):  # noqa: ANN202
+    """A set-up Trainer the way `dstrain train` makes one: the plan for this world (model `cfg`, default the
+    tiny test model; with `--model FOLDER` in `opts`, the folder's), the resume rule, and a GlobalRows
+    loader over this rank's data-parallel share unless `loader` is given."""
+    from dstrain.training.app import choose_resume
+    from dstrain.training.plan import prepare
+    from dstrain.training.trainer import Trainer
+
+    folder = os.path.isdir(opts.model.model)
+    plan = prepare(opts, info.world_size, model=None if folder else (cfg or tiny_config()))
+    plan = plan.with_output_dir(out_dir)
+    if resume is None:
+        resume = choose_resume(opts.checkpoint, out_dir)
+    if loader is None:
+        _, dp_rank, _ = plan.dims.coords(info.rank)
+        layout = opts.layout
+        loader = GlobalRows(
+            layout.micro_batch_size, layout.gradient_accumulation_steps, dp_rank, plan.dims.dp
+        )
+    tr = Trainer(plan, info, loader=loader, resume_path=resume, verbose=False)
+    tr.setup()
+    return tr
+
+
+def reference_run(
+    cfg, opts, steps: int, global_batch: int, state: dict | None = None, model=None
+) -> list[dict[str, float]]:
+    """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective.
+    `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
+    from dstrain.model import build_model
+    from dstrain.training.objective import Weights, count_targets, micro_loss
+    from dstrain.training.schedule import make_scheduler_factory
+    from dstrain.training.trainer import param_groups
+
+    o, s = opts.optimizer, opts.schedule
+    torch.manual_seed(opts.run.seed)
+    if model is None:
+        model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
+    opt = torch.optim.AdamW(
+        param_groups(model, o.weight_decay), lr=s.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
+    )
+    sched = make_scheduler_factory(s)(opt)
+    w = Weights.of(cfg)
+    out_recs = []
+    for step in range(steps):
+        batch = stack([global_row(step * global_batch + j) for j in range(global_batch)])
+        n = count_targets(batch, cfg.num_nextn_predict_layers).float()
+        out = model(**batch)
+        loss = micro_loss(out, n, 1.0, w)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf")
+        )
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        model.update_expert_bias(out.expert_load)
+        out_recs.append({"loss": float(loss.detach()), "grad_norm": float(norm)})
+    if state is not None:  # the final weights, for callers comparing parameters
+        state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    bias = [r.e_score_correction_bias.tolist() for r in model.routers()]
+    out_recs[-1]["bias"] = bias
+    return out_recs

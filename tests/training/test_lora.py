@@ -1,0 +1,104 @@
+"""LoRA in training: what the fine-tuning options freeze, training that changes only the adapters (one
+process, and 2-rank ZeRO-3), and lora.json in the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain.model import build_model
+from dstrain.training.finetune import apply_finetune_options
+from tests.conftest import ROOT, launch, tiny_config
+from tests.model.test_lora import expected_default
+from tests.training.runs import read_weights
+from tests.training.support import make_options
+
+
+def test_finetune_options_freeze_and_unfreeze_explicitly():
+    def trainable(args: list[str]) -> set[str]:
+        model = build_model(tiny_config(), seed=0)
+        opts = make_options(args)
+        apply_finetune_options(model, opts.lora, opts.run.seed)
+        return {n for n, p in model.named_parameters() if p.requires_grad}
+
+    routers = {"layers.1.mlp.gate.weight", "mtp.0.block.mlp.gate.weight"}
+    lora = trainable(["--lora_r", "2"])
+    adapters = {n for n in lora if n.endswith(("lora_A", "lora_B"))}
+    assert adapters == {f"{m}.{p}" for m in expected_default() for p in ("lora_A", "lora_B")}
+    mtp_own = {n for n in lora if n.startswith("mtp.") and n not in adapters and n not in routers}
+    assert "mtp.0.eh_proj.weight" in mtp_own and "mtp.0.block.mlp.experts.gate_up_proj" in mtp_own
+    assert not any(n.endswith(("o_proj.weight", "q_b_proj.weight")) for n in lora)  # base weights frozen
+    assert lora == adapters | routers | mtp_own
+    off = trainable(["--lora_r", "2", "--no-train_router", "--no-train_mtp"])
+    assert off == {n for n in adapters if not n.startswith("mtp.")}
+    full = trainable(["--no-train_router"])
+    everything = {n for n, _ in build_model(tiny_config(), seed=0).named_parameters()}
+    assert full == everything - routers
+    with pytest.raises(ValueError, match="--lora_targets gate:.*router"):
+        trainable(["--lora_r", "2", "--lora_targets", "gate"])
+
+
+def test_lora_training_changes_only_adapters(trained):
+    before = dict(read_weights(trained["lora0"]))
+    after = dict(read_weights(trained["lora3"]))
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    # --no-train_mtp freezes the MTP adapters too; γ = 0 leaves the expert bias alone
+    want = {f"{m}.{p}" for m in expected_default(3) for p in ("lora_A", "lora_B") if not m.startswith("mtp.")}
+    assert changed == want
+    # frozen parameters get no optimizer state: the fp32 partition holds exactly the trainable adapters
+    from dstrain.checkpoint.store import _deepspeed_state_classes
+
+    with torch.serialization.safe_globals(_deepspeed_state_classes()):
+        optim = torch.load(
+            trained["lora3"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            map_location="cpu",
+            weights_only=True,
+        )["optimizer_state_dict"]
+    assert sum(t.numel() for t in optim["single_partition_of_fp32_groups"]) == sum(
+        after[k].numel() for k in want
+    )
+    settings = json.loads((trained["lora3"] / "lora.json").read_text())
+    assert settings["r"] == 4 and settings["alpha"] == 8.0 and settings["train_router"] is False
+
+
+@pytest.mark.multirank
+def test_zero3_lora_two_ranks(tmp_path):
+    proc = launch(["-m", "tests.training.test_lora", "zero3", str(tmp_path)], timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = [json.loads((tmp_path / f"zero3_rank{r}.json").read_text()) for r in range(2)]
+    assert res[0]["changed"] == res[0]["adapters"] and res[0]["changed"]
+    assert res[0]["changed"] == res[1]["changed"] and res[0]["losses"] == res[1]["losses"]
+    assert all(x is not None for x in res[0]["losses"]) and res[0]["losses"][-1] < res[0]["losses"][0]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+
+
+def zero3_worker(out: str) -> None:
+    import deepspeed
+
+    from dstrain import dist
+    from tests.training.support import make_trainer
+
+    info = dist.init_distributed()
+    args = "--config zero3 --micro_batch_size 2 --max_steps 4 --save_every 0 --lr 1e-2 --lora_r 4"
+    opts = make_options([*args.split(), "--no-train_router", "--no-train_mtp"])
+    tr = make_trainer(opts, f"{out}/run", info)
+    params = dict(tr.model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        start = {n: p.detach().clone() for n, p in params.items()}
+    tr.run()
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        changed = sorted(n for n, p in params.items() if not torch.equal(p.detach(), start[n]))
+    adapters = sorted(n for n, p in params.items() if p.requires_grad)
+    res = {"changed": changed, "adapters": adapters, "losses": [r["loss"] for r in tr.history]}
+    Path(out, f"zero3_rank{info.rank}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    if sys.argv[1] == "zero3":
+        zero3_worker(sys.argv[2])
