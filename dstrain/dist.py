@@ -3,6 +3,7 @@ plain `python dstrain/train.py` (one rank, no launcher environment), on GPUs (nc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
@@ -138,3 +139,11 @@ def agree(fn: Callable[[], T]) -> T:
         exc.all_ranks = True
         raise exc
     return value
+
+
+def shutdown() -> None:
+    """Destroy the process group (best effort): left to interpreter exit, the backend's threads can abort
+    the process ("terminate called without an active exception") after its work is done."""
+    if tdist.is_available() and tdist.is_initialized():
+        with contextlib.suppress(Exception):
+            tdist.destroy_process_group()

@@ -1,65 +1,133 @@
-"""Throughput of dstrain's model vs transformers' DeepseekV3ForCausalLM: forward + backward + AdamW step.
+"""Model step benchmark: dstrain vs transformers' DeepseekV3ForCausalLM (its default grouped_mm experts), on
+the CPU or a CUDA GPU. A step is forward + backward + AdamW on one batch, the same loss computation for both
+(token-mean cross-entropy; dstrain's balance loss is switched off and no model has MTP).
 
-Same config (~70M parameters: hidden 512, 6 layers, 16 routed experts top-4, 1 shared, vocab 32000),
-same weights, same batch (4 x 512). Steps are interleaved A B B A in one process (the first slot of a round
-runs slower on a shared machine) and the median per-step time is compared. MFU is against a matmul peak
-measured in this process. Usage: python launch/bench_model.py [--rounds 3] [--dtypes fp32,bf16]
+  python launch/bench_model.py                          # CPU: every figure, every CPU config, fp32 and bf16
+  python launch/bench_model.py --device cuda            # GPU: bf16, V2-Lite-shaped (4 layers) and fine
+  python launch/bench_model.py --configs fine --dtypes bf16 --figures speed,memory
+
+Figures (JSON lines, one per config x dtype x figure):
+  speed     dstrain / transformers tokens/s, eager
+  moe       MoE step efficiency: step time of the dense model with the same active MLP width (same attention,
+            same FLOPs per token) / step time of the MoE model, for dstrain and for transformers
+  compile   dstrain with regional compilation (each block, like --compile) / transformers eager; warm-up time
+  memory    peak memory of one step (tensors created during it: activations, gradients, optimizer
+            temporaries; CUDA: max_memory_allocated) dstrain / transformers
+Timing: steps interleaved A B B A in one process (the first slot of a round runs slower on a shared machine),
+>= 4 rounds; quoted: the min and the median of the per-round ratios. MFU against the measured matmul peak
+(CPU) or the device's dense bf16 peak (CUDA). Every line names the kernel path: native bf16 on this CPU or
+not (kernels.CPU_NATIVE_BF16), threads, grouped_mm or its fallback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from transformers import DeepseekV3ForCausalLM
 
-from dstrain.model import ModelConfig, build_model, flops_per_token, param_counts, save_pretrained
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-CONFIG = ModelConfig(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1408,
-    moe_intermediate_size=256,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    q_lora_rank=256,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    num_nextn_predict_layers=0,  # transformers has no MTP: compare the same computation
-)
+from dstrain.model import ModelConfig, build_model, flops_per_token, save_pretrained  # noqa: E402
+from dstrain.model.experts import grouped_mm_ok  # noqa: E402
+from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """Best of `reps` square matmuls: the least-disturbed sample on a shared machine."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
+def _cfg(**kw) -> ModelConfig:  # noqa: ANN003
+    base = dict(
+        num_nextn_predict_layers=0,  # transformers has no MTP: compare the same computation
+        aux_loss_alpha=0.0,  # nor a balance loss
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+def fine(**kw) -> ModelConfig:  # noqa: ANN003
+    """64 experts top-6, 1 shared: the fine-grained shape (V2/V3 routing widths), CPU-sized."""
+    return _cfg(
+        vocab_size=16384, hidden_size=512, moe_intermediate_size=128, intermediate_size=7 * 128,
+        num_hidden_layers=4, num_attention_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6,
+        **kw,
+    )  # fmt: skip
+
+
+CONFIGS: dict[str, Callable[[], ModelConfig]] = {
+    "fine": fine,
+    # Not tuned for: 32 experts top-8 with 2 shared, wider experts, V2-Lite's MLA (no q compression).
+    "fine-b": lambda: _cfg(
+        vocab_size=32000,
+        hidden_size=768,
+        moe_intermediate_size=192,
+        intermediate_size=10 * 192,
+        num_hidden_layers=3,
+        num_attention_heads=12,
+        q_lora_rank=None,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=32,
+        n_shared_experts=2,
+        num_experts_per_tok=8,
+    ),  # fmt: skip
+    # DeepSeek-V2-Lite's shapes cut to 4 layers (GPU): 64 experts top-6, 2 shared, moe width 1408.
+    "v2lite-4": lambda: _cfg(
+        vocab_size=102400,
+        hidden_size=2048,
+        moe_intermediate_size=1408,
+        intermediate_size=8 * 1408,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=4096,
+    ),  # fmt: skip
+}
+SHAPES = {"cpu": {"fine": (4, 512), "fine-b": (4, 512)}, "cuda": {"fine": (8, 2048), "v2lite-4": (4, 4096)}}
+
+
+def dense_twin(cfg: ModelConfig) -> ModelConfig:
+    """Every layer dense with the MoE layers' active width (k routed + shared experts): same attention, same
+    FLOPs per token, no router."""
+    width = (cfg.num_experts_per_tok + cfg.n_shared_experts) * cfg.moe_intermediate_size
+    return dataclasses.replace(cfg, intermediate_size=width, first_k_dense_replace=cfg.num_hidden_layers)
+
+
+# ---------------------------------------------------------------------- models and steps
+def hf_model(ours, dtype: torch.dtype, device: str):  # noqa: ANN001, ANN201
+    from transformers import DeepseekV3ForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours, tmp)
+        return DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).train()
+
+
+def make_step(model, ids: torch.Tensor, hf: bool, device: str) -> Callable[[], float]:  # noqa: ANN001
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> float:
+        sync(device)
         t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def make_step(model, ids, hf: bool):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> tuple[float, float]:
-        """(wall seconds, process CPU seconds): CPU time is less disturbed by other processes."""
-        t, c = time.perf_counter(), time.process_time()
         if hf:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         else:
@@ -67,66 +135,169 @@ def make_step(model, ids, hf: bool):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t, time.process_time() - c
+        sync(device)
+        return time.perf_counter() - t
 
     return step
 
 
-def bench(dtype_name: str, rounds: int, batch: int, seq: int) -> dict:
-    dtype = DTYPES[dtype_name]
-    torch.manual_seed(0)
-    ours = build_model(CONFIG, seed=0, dtype=dtype).train()
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(ours, tmp)
-        hf = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=dtype).train()
-    ids = torch.randint(0, CONFIG.vocab_size, (batch, seq))
-    steps = {"dstrain": make_step(ours, ids, hf=False), "transformers": make_step(hf, ids, hf=True)}
-    for s in steps.values():  # warm-up
-        s()
-    peaks = {"fp32": [], dtype_name: []}
-    wall: dict[str, list[float]] = {k: [] for k in steps}
-    cpu: dict[str, list[float]] = {k: [] for k in steps}
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def abba(a: Callable[[], float], b: Callable[[], float], rounds: int, warmup: int = 2) -> dict:
+    """Per-round time ratios b/a (> 1: a is faster) from A B B A rounds."""
+    for _ in range(warmup):
+        a(), b()
+    ta, tb, ratios = [], [], []
     for _ in range(rounds):
-        for name in ("dstrain", "transformers", "transformers", "dstrain"):
-            w, c = steps[name]()
-            wall[name].append(w)
-            cpu[name].append(c)
-        for key in peaks:
-            peaks[key].append(matmul_peak(DTYPES[key]))
-    tokens = batch * seq
-    fpt = flops_per_token(CONFIG, seq)
-    out: dict = {
-        "dtype": dtype_name,
-        "params": param_counts(CONFIG, include_mtp=False)["total"],
-        "rounds": rounds,
+        a1, b1, b2, a2 = a(), b(), b(), a()
+        ta += [a1, a2]
+        tb += [b1, b2]
+        ratios.append((b1 + b2) / (a1 + a2))
+    return {
+        "a_median_s": statistics.median(ta),
+        "b_median_s": statistics.median(tb),
+        "ratio_min": min(ratios),
+        "ratio_median": statistics.median(ratios),
     }
-    out.update({f"peak_gflops_{k}": max(v) / 1e9 for k, v in peaks.items()})
-    for k in steps:
-        t = statistics.median(wall[k])
-        out[f"{k}_tokens_per_s"] = tokens / t
-        for pk, pv in peaks.items():
-            out[f"{k}_mfu_vs_{pk}_peak"] = fpt * tokens / t / max(pv)
-    out["speedup_wall_median"] = statistics.median(wall["transformers"]) / statistics.median(wall["dstrain"])
-    out["speedup_cpu_time_median"] = statistics.median(cpu["transformers"]) / statistics.median(
-        cpu["dstrain"]
+
+
+def peak_step_bytes(step: Callable[[], float], device: str) -> int:
+    """Peak bytes of tensors created during one step, above what lived before it (the optimizer's states
+    exist already: a step runs first)."""
+    step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as p:
+        step()
+    live = peak = 0
+    for _, action, _, size in p._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def matmul_peak(dtype: torch.dtype, device: str, n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of the best of `reps` square matmuls (CPU: what this process's threads reach)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    a @ a
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        a @ a
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def kernel_path(cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict:
+    compute = (
+        torch.float32 if (device == "cpu" and dtype == torch.bfloat16 and not CPU_NATIVE_BF16) else dtype
     )
-    out["speedup_wall_min_round"] = min(
-        (wall["transformers"][2 * r] + wall["transformers"][2 * r + 1])
-        / (wall["dstrain"][2 * r] + wall["dstrain"][2 * r + 1])
-        for r in range(rounds)
-    )
+    grouped = grouped_mm_ok(compute, torch.device(device), cfg.hidden_size, cfg.moe_intermediate_size)
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "cpu_native_bf16": CPU_NATIVE_BF16,
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "experts": "grouped_mm" if grouped else "per-group loop (grouped_mm cannot take these sizes/dtype)",
+    }
+
+
+# ---------------------------------------------------------------------- figures
+def bench(name: str, dtype_name: str, figures: list[str], rounds: int, device: str) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    cfg = CONFIGS[name]()
+    batch, seq = SHAPES[device][name]
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    head = {
+        "config": name,
+        "dtype": dtype_name,
+        "batch": batch,
+        "seq_len": seq,
+        **kernel_path(cfg, dtype, device),
+    }
+    ours = build_model(cfg, seed=0, dtype=dtype, device=device).train()
+    hf = hf_model(ours, dtype, device)
+    tokens = batch * seq
+    peak = matmul_peak(dtype, device) if device == "cpu" else gpu_peak_flops()
+    fpt = flops_per_token(cfg, seq)
+    out = []
+
+    def mfu(seconds: float) -> float:
+        return round(fpt * tokens / seconds / peak, 4)
+
+    step_ours, step_hf = make_step(ours, ids, False, device), make_step(hf, ids, True, device)
+    if "speed" in figures:
+        r = abba(step_ours, step_hf, rounds)
+        out.append({**head, "figure": "speed: dstrain / transformers tok/s, eager", "min": r["ratio_min"],
+                    "median": r["ratio_median"], "dstrain_tok_s": tokens / r["a_median_s"],
+                    "transformers_tok_s": tokens / r["b_median_s"], "dstrain_mfu": mfu(r["a_median_s"]),
+                    "transformers_mfu": mfu(r["b_median_s"])})  # fmt: skip
+    if "memory" in figures:
+        mine, theirs = peak_step_bytes(step_ours, device), peak_step_bytes(step_hf, device)
+        out.append({**head, "figure": "memory: peak of one step, dstrain / transformers",
+                    "ratio": mine / theirs, "dstrain_MiB": mine / 2**20, "transformers_MiB": theirs / 2**20})  # fmt: skip
+    if "moe" in figures:
+        twin = dense_twin(cfg)
+        dense = build_model(twin, seed=0, dtype=dtype, device=device).train()
+        r = abba(step_ours, make_step(dense, ids, False, device), rounds)
+        hf_dense = hf_model(dense, dtype, device)
+        r_hf = abba(step_hf, make_step(hf_dense, ids, True, device), rounds)
+        out.append({**head, "figure": "moe: dense-twin step time / MoE step time", "dstrain_min": r["ratio_min"],
+                    "dstrain_median": r["ratio_median"], "transformers_min": r_hf["ratio_min"],
+                    "transformers_median": r_hf["ratio_median"]})  # fmt: skip
+        del dense, hf_dense
+    if "compile" in figures:
+        compiled = build_model(cfg, seed=0, dtype=dtype, device=device).train()
+        compiled.compile_blocks()
+        step_c = make_step(compiled, ids, False, device)
+        t = time.perf_counter()
+        step_c()
+        warm = time.perf_counter() - t
+        r = abba(step_c, step_hf, rounds)
+        out.append({**head, "figure": "compile: dstrain --compile / transformers eager tok/s", "min": r["ratio_min"],
+                    "median": r["ratio_median"], "warmup_s": round(warm, 1), "dstrain_mfu": mfu(r["a_median_s"])})  # fmt: skip
     return out
+
+
+def gpu_peak_flops() -> float:
+    from dstrain.training.metrics import device_peak_tflops
+
+    peak, _ = device_peak_tflops(torch.device("cuda"), "bf16", None)
+    return peak * 1e12
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=512)
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--configs", default=None, help="comma-separated (default: fine,fine-b on CPU)")
+    p.add_argument("--dtypes", default=None, help="default: fp32,bf16 on CPU, bf16 on CUDA")
+    p.add_argument("--figures", default="speed,moe,compile,memory")
+    p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    for name in args.dtypes.split(","):
-        print(json.dumps(bench(name, args.rounds, args.batch, args.seq_len)), flush=True)
+    configs = (args.configs or ",".join(SHAPES[args.device])).split(",")
+    dtypes = (args.dtypes or ("bf16" if args.device == "cuda" else "fp32,bf16")).split(",")
+    for name in configs:
+        for dt in dtypes:
+            for row in bench(name, dt, args.figures.split(","), args.rounds, args.device):
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

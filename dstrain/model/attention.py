@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 
@@ -11,10 +13,21 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kernels import compute_dtype
 
-try:  # flash-attn is optional: used for packed rows on CUDA when installed
+log = logging.getLogger(__name__)
+
+# Packed rows on CUDA run a varlen flash kernel: flash-attn's when installed, else torch's own (2.13+).
+try:
     from flash_attn import flash_attn_varlen_func
-except ImportError:  # pragma: no cover - not installed on CPU machines
+except ImportError as exc:  # pragma: no cover - not installed on CPU machines
     flash_attn_varlen_func = None
+    if importlib.util.find_spec("flash_attn") is not None:  # installed but broken (a build for another torch)
+        log.warning(
+            "flash_attn is installed but does not import (%s): packed rows use torch's varlen kernel", exc
+        )
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - torch < 2.10
+    varlen_attn = None
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -91,20 +104,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
 
 
+def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The varlen flash kernel packed rows of this device and dtype run with, or None (SDPA with a mask)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if flash_attn_varlen_func is not None:
+        return "flash-attn varlen"
+    return "torch varlen_attn" if varlen_attn is not None else None
+
+
 @dataclass
 class AttentionLayout:
-    """How tokens of a batch may attend: plain causal rows, or several documents packed per row."""
+    """How tokens of a batch may attend: plain causal rows, or several documents packed per row, given as the
+    (B, 1, T, T) mask SDPA takes, or as cumulative document lengths for a varlen kernel (only what the
+    kernel of this device and dtype uses is built, once per forward, before the first block)."""
 
     causal_only: bool
     mask: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend
-    cu_seqlens: torch.Tensor | None = None  # int32 document boundaries over the flattened batch (flash-attn)
+    cu_seqlens: torch.Tensor | None = None  # int32 document boundaries over the flattened batch
     max_seqlen: int = 0
 
 
+_logged: set[str] = set()
+
+
 def attention_layout(
-    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device
+    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device, dtype: torch.dtype
 ) -> AttentionLayout:
-    """A document starts wherever position_ids restart at 0 (and at every row start)."""
+    """A document starts wherever position_ids restart at 0 (and at every row start). Host syncs here (one
+    check for plain rows; a varlen kernel's lengths) happen once per forward, never inside a block."""
     if position_ids is None:
         return AttentionLayout(causal_only=True)
     arange = torch.arange(seq, device=device)
@@ -112,13 +140,20 @@ def attention_layout(
         return AttentionLayout(causal_only=True)
     starts = position_ids == 0
     starts[:, 0] = True
-    doc = starts.cumsum(dim=1)
-    same_doc = doc[:, :, None] == doc[:, None, :]
-    mask = (same_doc & torch.ones(seq, seq, dtype=torch.bool, device=device).tril()).unsqueeze(1)
-    flat_starts = starts.flatten().nonzero().flatten()
-    cu = torch.cat([flat_starts, torch.tensor([batch * seq], device=device)]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return AttentionLayout(causal_only=False, mask=mask, cu_seqlens=cu, max_seqlen=max_len)
+    kernel = varlen_kernel(device, dtype)
+    path = kernel or "SDPA with a (B, 1, T, T) document mask"
+    if path not in _logged:
+        _logged.add(path)
+        log.info("packed rows on %s/%s: %s", device.type, str(dtype).removeprefix("torch."), path)
+    if kernel is None:
+        doc = starts.cumsum(dim=1)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        return AttentionLayout(
+            causal_only=False, mask=((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+        )
+    flat = starts.flatten().nonzero().flatten()
+    cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
+    return AttentionLayout(causal_only=False, cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
 
 
 def attend(
@@ -126,24 +161,16 @@ def attend(
 ) -> torch.Tensor:
     """q, k: (B, T, H, Dqk); v: (B, T, H, Dv) -> (B, T, H, Dv)."""
     b, t, h, dv = v.shape
-    use_flash = (
-        flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    )
-    if use_flash and not layout.causal_only:
+    if layout.cu_seqlens is not None:
         dqk = q.shape[-1]
-        # flash-attn wants one head dim for q, k and v: pad v and cut the padding off the output.
+        cu, longest = layout.cu_seqlens, layout.max_seqlen
+        # The varlen kernels want one head dim for q, k and v: pad v and cut the padding off the output.
         v_pad = F.pad(v, (0, dqk - dv)) if dv < dqk else v
-        out = flash_attn_varlen_func(
-            q.reshape(b * t, h, dqk),
-            k.reshape(b * t, h, dqk),
-            v_pad.reshape(b * t, h, -1),
-            layout.cu_seqlens,
-            layout.cu_seqlens,
-            layout.max_seqlen,
-            layout.max_seqlen,
-            softmax_scale=scale,
-            causal=True,
-        )
+        qkv = [x.reshape(b * t, h, dqk) for x in (q, k, v_pad)]
+        if flash_attn_varlen_func is not None:
+            out = flash_attn_varlen_func(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+        else:
+            out = varlen_attn(*qkv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
         return out[..., :dv].reshape(b, t, h, dv)
     dtype = q.dtype
     if q.device.type == "cpu":

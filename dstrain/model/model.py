@@ -1,8 +1,8 @@
 """DeepSeek-V3/V2 causal LM as plain single-device PyTorch: MLA, DeepSeekMoE, multi-token prediction.
 
 Module names mirror the Hugging Face layout (minus the `model.` prefix) so the key table in `hf.py` stays small;
-routed experts are fused 3-D tensors so every rank touches every expert parameter (no ZeRO-3 hang) and a
-token's experts run as one GEMM per expert.
+routed experts are fused 3-D tensors so every rank touches every expert parameter (no ZeRO-3 hang), and they
+run as grouped GEMMs with no host sync (experts.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from .attention import (
     softmax_scale,
 )
 from .config import ModelConfig
-from .kernels import Linear, linear
+from .experts import routed_experts
+from .kernels import Linear
+from .loss import Head
 
 EXPERT_BIAS = "e_score_correction_bias"
 
@@ -161,7 +163,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as fused 3-D weights: gate_up_proj (E, 2I, D) [gate rows, then up rows], down_proj (E, D, I)."""
+    """Routed experts as fused 3-D weights: gate_up_proj (E, 2I, D) [gate rows, then up rows], down_proj (E, D, I),
+    run as grouped GEMMs (experts.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -170,38 +173,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, k = idx.shape
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        ys = expert_ffn(x[order // k], counts, self.gate_up_proj, self.down_proj)
-        return combine_experts(ys, order, weights, x.dtype)
-
-
-def expert_ffn(
-    xs: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor, down_proj: torch.Tensor
-) -> torch.Tensor:
-    """Rows of `xs` sorted by expert, counts[e] rows for expert e -> each row through its expert's SwiGLU."""
-    # unbind, not `param[e]`: each indexing op would allocate a whole-tensor zero gradient in backward.
-    # Likewise split (not slice) the sorted tokens.
-    gate_up, down = gate_up_proj.unbind(0), down_proj.unbind(0)
-    outs = []
-    for e, chunk in enumerate(xs.split(counts)):
-        if chunk.shape[0]:
-            gate, up = linear(chunk, gate_up[e]).chunk(2, dim=-1)
-            outs.append(linear(F.silu(gate) * up, down[e]))
-    if not outs:  # no rows (possible on an expert-parallel rank): keep the weights in the graph
-        return xs.new_zeros((0, down_proj.shape[1])) + 0 * (gate_up_proj.sum() + down_proj.sum()).to(xs.dtype)
-    return torch.cat(outs)
-
-
-def combine_experts(
-    ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """ys: expert outputs of the (token, slot) pairs in `order` -> (N, D) routing-weighted sum per token."""
-    n, k = weights.shape
-    y = torch.empty_like(ys).index_copy(0, order, ys).view(n, k, -1)
-    return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+        return routed_experts(x, idx, weights, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
@@ -311,15 +283,12 @@ class DeepSeekLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Head(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         n = cfg.num_hidden_layers
         self.mtp = nn.ModuleList(MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
         self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
         self.activation_checkpointing = False
-        # Past this many logits (512 MB in fp32) the loss runs in recomputed chunks of loss_chunk_tokens.
-        self.loss_chunk_elements = 2**27
-        self.loss_chunk_tokens = 4096
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     # -------------------------------------------------------------- init and balancing
@@ -350,8 +319,7 @@ class DeepSeekLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def routers(self) -> list[Router]:
-        blocks = [*self.layers, *(m.block for m in self.mtp)]
-        return [b.mlp.gate for b in blocks if isinstance(b.mlp, MoE)]
+        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
@@ -368,6 +336,16 @@ class DeepSeekLM(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self.activation_checkpointing = enabled
 
+    def blocks(self) -> list[Block]:
+        """Every transformer block: the main model's, then the MTP modules'."""
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
+        """Regional compilation (torchtitan's): each transformer block compiled on its own, in place (names and
+        state dict unchanged); blocks of one kind share a graph, and the rest of the model stays eager."""
+        for block in self.blocks():
+            block.compile(**options)
+
     # -------------------------------------------------------------- forward
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = position_ids.device
@@ -380,19 +358,14 @@ class DeepSeekLM(nn.Module):
     def _ce_sum(
         self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of token cross-entropies over valid positions. Large (tokens x vocab) logits are never
-        materialised whole: they are computed in chunks that backward recomputes."""
-        h, targets = h[valid], targets[valid]
-        if h.shape[0] * self.config.vocab_size <= self.loss_chunk_elements:
-            return self._chunk_ce(h, targets), valid.sum()
-        total = h.new_zeros((), dtype=torch.float32)
-        for s in range(0, h.shape[0], self.loss_chunk_tokens):
-            hc, tc = h[s : s + self.loss_chunk_tokens], targets[s : s + self.loss_chunk_tokens]
-            total = total + checkpoint(self._chunk_ce, hc, tc, use_reentrant=False)
-        return total, valid.sum()
-
-    def _chunk_ce(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.lm_head(h).float(), targets, reduction="sum")
+        """Sum of token cross-entropies over valid positions; the (tokens x vocab) logits are never kept
+        (loss.Head). A head replaced by a LoRA adapter computes plain logits."""
+        h, valid = h.flatten(0, -2), valid.flatten()
+        targets = torch.where(valid, targets.flatten(), 0)
+        if isinstance(self.lm_head, Head):
+            return self.lm_head(h, targets, valid), valid.sum()
+        ce = F.cross_entropy(self.lm_head(h).float(), targets, reduction="none")
+        return (ce * valid).sum(), valid.sum()
 
     def forward(
         self,
@@ -423,7 +396,7 @@ class DeepSeekLM(nn.Module):
     def rope_and_layout(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionLayout]:
-        layout = attention_layout(position_ids, b, t, device)
+        layout = attention_layout(position_ids, b, t, device, self.embed_tokens.weight.dtype)
         pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
         return self._rope(pos), layout
 

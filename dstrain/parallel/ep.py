@@ -15,7 +15,8 @@ import torch
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
 
-from dstrain.model.model import Experts, MoE, combine_experts, expert_ffn
+from dstrain.model.experts import combine, group_by_expert, grouped_swiglu
+from dstrain.model.model import Experts, MoE
 
 from .comm import all_to_all, exchange_counts
 from .dims import Groups
@@ -50,20 +51,21 @@ class ExpertParallelExperts(_DeepSpeedMoE):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = idx.shape
         ep, local = self.ep_size, self.num_local_experts
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)  # by global expert, hence by destination rank too
-        counts = torch.bincount(flat, minlength=self.num_experts).view(ep, local)
-        recv_counts = exchange_counts(counts, self.ep_group).cpu()  # (src, local expert)
-        counts = counts.cpu()
-        send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        order, ends = group_by_expert(idx, self.num_experts)  # by global expert, hence by destination rank
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).to(torch.int64).view(ep, local)
+        recv_counts = exchange_counts(counts, self.ep_group)  # (source rank, local expert)
+        # The layer's one host exchange: all_to_all needs its split sizes as Python ints.
+        send, recv = torch.stack([counts.sum(1), recv_counts.sum(1)]).tolist()
         xs = all_to_all(x[order // k], send, recv, self.ep_group)
         # Received rows come grouped by source rank, then by local expert: regroup them by expert.
-        expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(recv_counts.flatten())
-        by_expert = expert_of_row.argsort(stable=True).to(x.device)
-        ys = expert_ffn(xs[by_expert], recv_counts.sum(0).tolist(), self.gate_up_proj, self.down_proj)
+        expert_of_row = torch.arange(local, device=x.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten(), output_size=sum(recv))
+        by_expert = expert_of_row.argsort(stable=True)
+        offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
+        ys = grouped_swiglu(xs[by_expert], offs, self.gate_up_proj, self.down_proj)
         ys = torch.empty_like(ys).index_copy(0, by_expert, ys)
         ys = all_to_all(ys, recv, send, self.ep_group)
-        return combine_experts(ys, order, weights, x.dtype)
+        return combine(ys, order, weights)
 
 
 def apply_expert_parallel(model: nn.Module, g: Groups) -> None:

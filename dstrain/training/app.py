@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -133,12 +132,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dstrain: error{where}: {exc}", file=sys.stderr, flush=True)
         return getattr(exc, "exit_code", 2)
     finally:
-        _shutdown()
-
-
-def _shutdown() -> None:
-    import torch.distributed as tdist
-
-    if tdist.is_available() and tdist.is_initialized():
-        with contextlib.suppress(Exception):  # best effort at exit
-            tdist.destroy_process_group()
+        dist.shutdown()

@@ -145,7 +145,12 @@ def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "--hf":
-        finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
-    else:
-        main(sys.argv[1], sys.argv[2:])
+    from dstrain import dist
+
+    try:
+        if sys.argv[2] == "--hf":
+            finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
+        else:
+            main(sys.argv[1], sys.argv[2:])
+    finally:
+        dist.shutdown()

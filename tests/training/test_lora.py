@@ -12,7 +12,7 @@ import torch
 
 from dstrain.model import build_model
 from dstrain.training.finetune import apply_finetune_options
-from tests.conftest import ROOT, launch, tiny_config
+from tests.conftest import launch, tiny_config
 from tests.model.test_lora import expected_default
 from tests.training.runs import read_weights
 from tests.training.support import make_options
@@ -99,6 +99,9 @@ def zero3_worker(out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    if sys.argv[1] == "zero3":
+    from dstrain import dist
+
+    try:
         zero3_worker(sys.argv[2])
+    finally:
+        dist.shutdown()

@@ -114,4 +114,9 @@ def worker(mode: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    from dstrain import dist
+
+    try:
+        worker(sys.argv[1], sys.argv[2])
+    finally:
+        dist.shutdown()

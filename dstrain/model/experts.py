@@ -1,0 +1,257 @@
+"""Routed experts as grouped GEMMs: no loop over experts in Python and no host sync.
+
+Tokens are grouped by expert with a device-side sort (`group_by_expert`: the permutation and int32 group
+offsets, static shapes); every expert's SwiGLU then runs as two `torch.nn.functional.grouped_mm` calls over
+the fused 3-D weights, gate_up_proj (E, 2I, D) [gate rows, then up rows] and down_proj (E, D, I).
+
+`routed_experts` is one autograd Function for gather -> SwiGLU -> weighted combine. It saves the layer input
+x (alive anyway: the router and the residual hold it), the routing permutation and weights, and the (S, 2I)
+pre-activation; backward re-gathers x and recomputes silu(gate) * up. Plain autograd would also keep the
+gathered (S, D) copy of x, silu(gate) and the product (2 x (S, I)), the (S, D) expert outputs and an fp32
+(S, D) copy for the weighting. The routing weights scale the activation before the down projection
+(w * (h W^T) = (w * h) W^T, on (S, I) rather than (S, D)) and their gradient is rowsum(d(w h) * h). The
+combine and dx gather with the inverse permutation and sum each token's k rows (deterministic: no atomics;
+torch sums bf16 in fp32).
+
+`grouped_swiglu` is the same SwiGLU for rows already sorted by expert (expert parallelism, where rows arrive
+from other ranks): it saves those rows and the pre-activation; `combine` weights and sums each token's rows
+once they are back.
+
+grouped_mm's rules (torch 2.13): both operands of one dtype (no autocast; bf16 kernels on CPUs without native
+bf16 run in fp32, like `kernels.linear`), int32 offsets, and row strides that are multiples of 16 bytes, so
+hidden and moe_intermediate sizes must be multiples of 16 / element size. Its fast CUDA kernels take bf16
+only (other dtypes run torch's own per-group loop, which copies the offsets to the host). Where the rules do
+not hold (fp64, misaligned sizes) `_grouped_mm` runs an exact per-group loop instead, which syncs once to
+read the offsets. Under torch.compile, grouped_mm's meta function admits bf16 only: other dtypes go through
+the opaque custom op `dstrain::grouped_mm`.
+
+On the CPU, bf16 grouped_mm runs one oneDNN GEMM per group, and oneDNN builds (JIT-compiles) a kernel for each
+new row count: with routing changing every step that is most of the time (measured: 36 ms vs 12 ms for one
+(12288 x 512) x (64 x 512 x 256) product). There, each expert's rows start at a multiple of `CPU_GROUP_ROWS`
+in a zero-padded buffer, so the row counts come from a small set and the kernels are reused. Padding rows
+are zero in and zero out, and rows past the last group are never computed nor read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import compute_dtype
+
+CPU_GROUP_ROWS = 16
+
+
+def group_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx (N, k) expert ids -> (order, offs): `order` (N*k,) sorts the flattened (token, slot) pairs by expert
+    (stable: by token within an expert), `offs` (E,) int32 is the end of each expert's rows in that order."""
+    flat = idx.flatten()
+    ids, order = flat.sort(stable=True)
+    experts = torch.arange(num_experts, device=idx.device, dtype=ids.dtype)
+    return order, torch.searchsorted(ids, experts, right=True, out_int32=True)
+
+
+def grouped_mm_ok(dtype: torch.dtype, device: torch.device, *sizes: int) -> bool:
+    """Whether torch's grouped_mm takes operands of this dtype whose inner sizes are `sizes`."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        return False  # torch's loop with a host copy of the offsets: ours is no worse and is exact
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    return all(s % align == 0 for s in sizes)
+
+
+@torch.library.custom_op("dstrain::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's two forms by a loop over groups: (S, K) x (E, K, N) -> (S, N); (K, S) x (S, N) ->
+    (E, K, N). Reads the offsets on the host."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            torch.mm(a[s:t], b[e], out=out[s:t])
+        return out
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(starts, ends)])
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm (2D x 3D jagged rows, or 2D x 2D jagged inner dim -> 3D), in the dtype the CPU computes
+    fastest (see kernels.compute_dtype), with the fallbacks described at the top."""
+    dtype = a.dtype
+    cdt = compute_dtype(a)
+    if cdt != dtype:
+        a, b = a.to(cdt), b.to(cdt)
+    inner = (a.shape[-1], b.shape[-1]) if b.dim() == 3 else (a.shape[0], b.shape[-1])
+    if not grouped_mm_ok(cdt, a.device, *inner):
+        out = _loop_mm(a, b, offs)
+    elif torch.compiler.is_compiling() and cdt != torch.bfloat16:
+        out = _grouped_mm_op(a, b, offs)
+    else:
+        out = F.grouped_mm(a, b, offs=offs)
+    return out.to(dtype)
+
+
+def group_alignment(like: torch.Tensor) -> int:
+    """Rows each expert's group starts at a multiple of (see the top): CPU_GROUP_ROWS where oneDNN runs the
+    GEMMs (bf16 computed as bf16 on a CPU), else 1."""
+    return CPU_GROUP_ROWS if like.device.type == "cpu" and compute_dtype(like) == torch.bfloat16 else 1
+
+
+class _Rows:
+    """The rows the grouped GEMMs read: which (token, slot) of the flattened routing each holds (`slot`),
+    grouped by expert (`offs`), and the row each (token, slot) ends up in (`back`). Rows are the expert-sorted
+    order itself, or (CPU bf16, see the top) spread so that each expert's group starts at a multiple of the
+    alignment, padding rows pointing one past the end: at the zero row `take` appends."""
+
+    def __init__(self, order: torch.Tensor, offs: torch.Tensor, like: torch.Tensor) -> None:
+        s = order.numel()
+        align = group_alignment(like)
+        self.padded = align > 1
+        if not self.padded:
+            self.slot, self.offs, self.back = order, offs, _inverse(order)
+            return
+        ends = offs.long()
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        padded = (counts + align - 1) // align * align
+        padded_ends = padded.cumsum(0)
+        sorted_rows = torch.arange(s, device=offs.device)
+        expert = torch.searchsorted(ends, sorted_rows, right=True)
+        dest = sorted_rows + (padded_ends - padded - ends + counts)[expert]  # buffer row of sorted row j
+        size = s + offs.numel() * (align - 1)  # the most any routing needs: a static shape
+        self.slot = order.new_full((size,), s).index_copy_(0, dest, order)
+        self.offs = padded_ends.to(torch.int32)
+        self.back = torch.empty_like(dest).index_copy_(0, order, dest)
+
+    def take(self, t: torch.Tensor, per: int = 1) -> torch.Tensor:
+        """The buffer's rows of `t`, whose row i holds (token, slot) pairs i * per ... (i + 1) * per - 1:
+        t = x (per = k, one row per token) or a per-(token, slot) tensor (per = 1). Padding rows are zero."""
+        if self.padded:
+            t = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+        return t.index_select(0, self.slot // per if per > 1 else self.slot)
+
+
+def _swiglu_forward(
+    xs: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert -> (pre-activation (S, 2I), outputs (S, D)); `w` (S,) fp32 row weights or None."""
+    gu = _grouped_mm(xs, gate_up.transpose(-2, -1), offs)
+    g, u = gu.chunk(2, dim=-1)
+    h = F.silu(g) * u
+    if w is not None:
+        h = (h.float() * w.unsqueeze(-1)).to(h.dtype)
+    return gu, _grouped_mm(h, down.transpose(-2, -1), offs)
+
+
+def _swiglu_backward(
+    dys: torch.Tensor,
+    xs: torch.Tensor,
+    gu: torch.Tensor,
+    offs: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    w: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of `_swiglu_forward` given d outputs: -> (d xs, d gate_up, d down, d w (S,) fp32 or None).
+    silu(gate) * up is recomputed from the saved pre-activation."""
+    g, u = gu.chunk(2, dim=-1)
+    act = F.silu(g)
+    h = act * u
+    dh = _grouped_mm(dys, down, offs)  # (S, I): d of the down projection's input
+    dw = None
+    if w is not None:
+        dw = (dh.float() * h.float()).sum(-1)
+        wide = w.unsqueeze(-1)
+        h = (h.float() * wide).to(h.dtype)
+        dh = (dh.float() * wide).to(dh.dtype)
+    d_down = _grouped_mm(dys.t(), h, offs)  # (E, D, I)
+    dgu = torch.cat([torch.ops.aten.silu_backward(dh * u, g), dh * act], dim=-1)
+    d_gate_up = _grouped_mm(dgu.t(), xs, offs)  # (E, 2I, D)
+    dxs = _grouped_mm(dgu, gate_up, offs)  # (S, D)
+    return dxs, d_gate_up, d_down, dw
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, order, offs, gate_up, down):  # noqa: ANN001, ANN205
+        n, k = weights.shape
+        rows = _Rows(order, offs, x)
+        w = rows.take(weights.flatten().float())
+        gu, ys = _swiglu_forward(rows.take(x, per=k), rows.offs, gate_up, down, w)
+        ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down)
+        return ys.index_select(0, rows.back).view(n, k, -1).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205
+        x, weights, order, offs, gu, gate_up, down = ctx.saved_tensors
+        n, k = weights.shape
+        rows = _Rows(order, offs, x)
+        w = rows.take(weights.flatten().float())
+        dys, xs = rows.take(dout.contiguous(), per=k), rows.take(x, per=k)
+        dxs, d_gate_up, d_down, dw = _swiglu_backward(dys, xs, gu, rows.offs, gate_up, down, w)
+        dx = dxs.index_select(0, rows.back).view(n, k, -1).sum(dim=1)
+        return dx, dw.index_select(0, rows.back).view(n, k).to(weights.dtype), None, None, d_gate_up, d_down
+
+
+def routed_experts(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """x (N, D), idx (N, k) expert ids, weights (N, k) fp32 -> (N, D): sum_j weights[:, j] * expert_{idx[:, j]}(x),
+    each expert a SwiGLU, in x's dtype."""
+    order, offs = group_by_expert(idx, gate_up_proj.shape[0])
+    return _RoutedExperts.apply(x, weights, order, offs, gate_up_proj, down_proj)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xs, offs, gate_up, down):  # noqa: ANN001, ANN205
+        rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
+        gu, ys = _swiglu_forward(rows.take(xs) if rows.padded else xs, rows.offs, gate_up, down, None)
+        ctx.save_for_backward(xs, offs, gu, gate_up, down)
+        return ys.index_select(0, rows.back) if rows.padded else ys
+
+    @staticmethod
+    def backward(ctx, dys):  # noqa: ANN001, ANN205
+        xs, offs, gu, gate_up, down = ctx.saved_tensors
+        rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
+        dys = dys.contiguous()
+        if rows.padded:
+            dys, xs = rows.take(dys), rows.take(xs)
+        dxs, d_gate_up, d_down, _ = _swiglu_backward(dys, xs, gu, rows.offs, gate_up, down, None)
+        return (dxs.index_select(0, rows.back) if rows.padded else dxs), None, d_gate_up, d_down
+
+
+def grouped_swiglu(
+    xs: torch.Tensor, offs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    """Rows sorted by expert (expert e's rows end at offs[e]) -> each row through its expert's SwiGLU."""
+    return _GroupedSwiGLU.apply(xs, offs, gate_up_proj, down_proj)
+
+
+def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs of the (token, slot) rows in `order` -> (N, D): the routing-weighted sum per token, in
+    fp32, returned in ys's dtype."""
+    n, k = weights.shape
+    slots = ys.index_select(0, _inverse(order)).view(n, k, -1)
+    return (slots.float() * weights.unsqueeze(-1)).sum(dim=1).to(ys.dtype)

@@ -1,0 +1,71 @@
+"""The output head's cross-entropy without (tokens x vocab) logits held for backward.
+
+`Head` is the lm_head Linear (same parameters and state dict); called with targets it returns the summed
+cross-entropy. Rows run in chunks of at most CHUNK_ELEMENTS logits; each chunk's gradient (softmax - onehot)
+is applied to the head's input and weight right there, in the forward, so what backward keeps is d input
+(tokens x hidden, the input's dtype) and d weight (the weight's shape and dtype), never the logits. A step's
+peak then holds one chunk of logits instead of the whole (tokens x vocab) fp32 logits, their log-softmax
+and their gradient. Logits are computed in the weight's dtype and softmaxed in fp32, as F.cross_entropy on
+upcast logits does. Called under no_grad (evaluation), only the loss is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import Linear, compute_dtype, linear
+
+CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MiB in fp32 ...
+CHUNK_ROWS = 256  # ... but at least this many rows: fewer would re-read the whole weight for too little work
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, valid):  # noqa: ANN001, ANN205
+        want_h, want_w = ctx.needs_input_grad[:2]
+        rows = max(CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
+        total = h.new_zeros((), dtype=torch.float32)
+        dh = torch.empty_like(h) if want_h else None
+        dw = torch.zeros_like(weight) if want_w else None
+        for s in range(0, h.shape[0], rows):
+            hc, tc, vc = h[s : s + rows], targets[s : s + rows], valid[s : s + rows].unsqueeze(1)
+            logits = linear(hc, weight).float()
+            lse = logits.logsumexp(dim=-1, keepdim=True)
+            total += ((lse - logits.gather(1, tc.unsqueeze(1))) * vc).sum()
+            if want_h or want_w:
+                grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
+                grad.scatter_add_(1, tc.unsqueeze(1), grad.new_full((tc.numel(), 1), -1.0))
+                grad = grad.mul_(vc).to(h.dtype)
+                if want_h:
+                    dh[s : s + rows] = linear(grad, weight.t())
+                if want_w and compute_dtype(hc) == hc.dtype:
+                    dw.addmm_(grad.t(), hc)
+                elif want_w:  # a CPU without native bf16: the fp32 kernel, as kernels.linear does
+                    dw.add_(linear(grad.t(), hc.t()))
+        ctx.save_for_backward(dh, dw)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        dh, dw = ctx.saved_tensors
+        # The saved gradients are this call's alone and backward runs once: scale them in place.
+        return (
+            (dh.mul_(grad) if dh is not None else None),
+            (dw.mul_(grad) if dw is not None else None),
+            None,
+            None,
+        )
+
+
+class Head(Linear):
+    """The output head: logits for `x`, or with `targets` the cross-entropy summed over the rows where
+    `valid` (see the top; other rows' targets must still be valid ids). Module call, so DeepSpeed's ZeRO-3
+    hooks gather the weight for either. Every row is computed: no data-dependent shape, no host sync."""
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if targets is None:
+            return linear(x, self.weight, self.bias)
+        assert self.bias is None, "the LM head has no bias"
+        return _LinearCrossEntropy.apply(x, self.weight, targets, valid.to(torch.float32))

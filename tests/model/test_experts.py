@@ -1,0 +1,130 @@
+"""Routed experts as grouped GEMMs: equal to a per-expert loop (output and every gradient) in fp32 and bf16,
+with idle experts, sizes grouped_mm cannot take (the exact fallback), the expert-parallel pieces, and no
+host sync in a block: the whole model's forward + backward compiles with fullgraph=True."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dstrain.model.experts import combine, group_by_expert, grouped_swiglu, routed_experts
+from tests.conftest import tiny_config
+
+
+def reference(x, idx, weights, gate_up, down):
+    """One expert at a time, plain autograd: sum_j w_j * down_e(silu(gate_e x) * up_e x)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    i = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        rows, slots = (idx == e).nonzero(as_tuple=True)
+        if rows.numel():
+            h = F.linear(x[rows], gate_up[e])
+            y = F.linear(F.silu(h[:, :i]) * h[:, i:], down[e])
+            out = out.index_add(0, rows, y.float() * weights[rows, slots].unsqueeze(-1))
+    return out.to(x.dtype)
+
+
+def _inputs(n=40, d=16, i=8, e=6, k=3, dtype=torch.float32, idle=(2,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    allowed = torch.tensor([j for j in range(e) if j not in idle])
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(n)])
+    w = torch.rand(n, k, generator=g).requires_grad_()
+    gate_up = (0.3 * torch.randn(e, 2 * i, d, generator=g)).to(dtype).requires_grad_()
+    down = (0.3 * torch.randn(e, d, i, generator=g)).to(dtype).requires_grad_()
+    return x, idx, w, gate_up, down
+
+
+def _run(fn, inputs, dout):
+    x, idx, w, gate_up, down = inputs
+    leaves = [x, w, gate_up, down]
+    out = fn(x, idx, w, gate_up, down)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    ("dtype", "d", "i", "tol"),
+    [
+        (torch.float32, 16, 8, 1e-5),  # grouped_mm
+        (torch.float32, 16, 6, 1e-5),  # I not a multiple of 4: the exact per-group fallback
+        (torch.bfloat16, 16, 8, 3e-2),
+    ],
+)
+@pytest.mark.parametrize("align", [1, 16])
+def test_grouped_equals_the_per_expert_loop(dtype, d, i, tol, align, monkeypatch):
+    """align 16: each expert's rows start at a multiple of 16 in a zero-padded buffer (what CPU bf16 runs
+    with), checked here in every dtype."""
+    import dstrain.model.experts as experts
+
+    monkeypatch.setattr(experts, "group_alignment", lambda like: align)
+    inputs = _inputs(d=d, i=i, dtype=dtype)
+    dout = torch.randn(inputs[0].shape).to(dtype)
+    got, got_grads = _run(routed_experts, inputs, dout)
+    want, want_grads = _run(reference, inputs, dout)
+    assert got.dtype == dtype
+
+    def rel(a, b):
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+    assert rel(got, want) <= tol
+    for name, a, b in zip(("x", "weights", "gate_up", "down"), got_grads, want_grads):
+        assert a.dtype == b.dtype and rel(a, b) <= tol, (name, rel(a, b))
+    # the idle expert gets an exact zero gradient (and still one: ZeRO-3 waits for every parameter's)
+    assert not got_grads[2][2].any() and not got_grads[3][2].any()
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_expert_parallel_pieces_compose_to_the_same_layer(align, monkeypatch):
+    """Rows sorted by expert through grouped_swiglu, back in slot order and combined: what an EP rank pair
+    computes, equal to routed_experts (output and gradients)."""
+    import dstrain.model.experts as experts
+
+    monkeypatch.setattr(experts, "group_alignment", lambda like: align)
+    inputs = _inputs()
+    dout = torch.randn(inputs[0].shape)
+
+    def pieces(x, idx, w, gate_up, down):
+        order, offs = group_by_expert(idx, gate_up.shape[0])
+        ys = grouped_swiglu(x[order // idx.shape[1]], offs, gate_up, down)
+        return combine(ys, order, w)
+
+    got, got_grads = _run(pieces, inputs, dout)
+    want, want_grads = _run(routed_experts, inputs, dout)
+    assert torch.allclose(got, want, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_group_offsets_are_computed_on_the_device_in_one_sort():
+    idx = torch.tensor([[3, 0], [3, 1], [0, 3]])
+    order, offs = group_by_expert(idx, 5)
+    assert offs.dtype == torch.int32 and offs.tolist() == [2, 3, 3, 6, 6]
+    assert idx.flatten()[order].tolist() == [0, 0, 1, 3, 3, 3]
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]  # stable: token order within an expert
+
+
+def test_whole_model_compiles_fullgraph_no_host_sync():
+    """A host sync (.tolist(), .item()) or Python branch on data in any block breaks the graph, which
+    fullgraph=True turns into an error: the whole model's forward, MoE and MTP included, and the backward
+    AOTAutograd traces with it (a sync there fails the trace)."""
+    from dstrain.model import build_model
+
+    torch._dynamo.reset()
+    model = build_model(tiny_config(), seed=0)
+    ids = torch.randint(0, 256, (2, 16))
+
+    def step(forward):
+        out = forward(ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), out.expert_load
+
+    eager_loss, eager_load = step(model)
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss, load = step(torch.compile(model, fullgraph=True))
+    assert torch.allclose(loss, eager_loss, rtol=1e-5) and torch.equal(load, eager_load)
+    for p, g in zip(model.parameters(), eager_grads):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
