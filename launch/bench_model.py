@@ -103,7 +103,7 @@ CONFIGS: dict[str, Callable[[], ModelConfig]] = {
         max_position_embeddings=4096,
     ),  # fmt: skip
 }
-SHAPES = {"cpu": {"fine": (4, 512), "fine-b": (4, 512)}, "cuda": {"fine": (8, 2048), "v2lite-4": (4, 4096)}}
+SHAPES = {"cpu": {"fine": (8, 512), "fine-b": (8, 512)}, "cuda": {"fine": (8, 2048), "v2lite-4": (4, 4096)}}
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:

@@ -19,29 +19,42 @@ CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MiB in fp32 ...
 CHUNK_ROWS = 256  # ... but at least this many rows: fewer would re-read the whole weight for too little work
 
 
+def ce_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: (summed cross-entropy of the valid rows, d loss / d logits in the logits' dtype or None).
+    Few passes over the (rows x vocab) logits: fused log-softmax in fp32, softmax in place of it, the -1 at
+    each target, the cast back, the mask."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    loss = -(logp.gather(1, targets.unsqueeze(1)).squeeze(1) * valid).sum()
+    if not want_grad:
+        return loss, None
+    grad = logp.exp_()
+    grad.scatter_add_(1, targets.unsqueeze(1), grad.new_full((targets.numel(), 1), -1.0))
+    grad = grad.to(logits.dtype)  # the mask is 0 / 1: exact in any dtype, applied after the cast
+    return loss, grad.mul_(valid.to(grad.dtype).unsqueeze(1))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, valid):  # noqa: ANN001, ANN205
+    def forward(ctx, h, weight, targets, valid, chunk_fn):  # noqa: ANN001, ANN205
         want_h, want_w = ctx.needs_input_grad[:2]
         rows = max(CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
         total = h.new_zeros((), dtype=torch.float32)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros_like(weight) if want_w else None
         for s in range(0, h.shape[0], rows):
-            hc, tc, vc = h[s : s + rows], targets[s : s + rows], valid[s : s + rows].unsqueeze(1)
-            logits = linear(hc, weight).float()
-            lse = logits.logsumexp(dim=-1, keepdim=True)
-            total += ((lse - logits.gather(1, tc.unsqueeze(1))) * vc).sum()
-            if want_h or want_w:
-                grad = logits.sub_(lse).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(1, tc.unsqueeze(1), grad.new_full((tc.numel(), 1), -1.0))
-                grad = grad.mul_(vc).to(h.dtype)
-                if want_h:
-                    dh[s : s + rows] = linear(grad, weight.t())
-                if want_w and compute_dtype(hc) == hc.dtype:
-                    dw.addmm_(grad.t(), hc)
-                elif want_w:  # a CPU without native bf16: the fp32 kernel, as kernels.linear does
-                    dw.add_(linear(grad.t(), hc.t()))
+            hc = h[s : s + rows]
+            loss, grad = chunk_fn(
+                linear(hc, weight), targets[s : s + rows], valid[s : s + rows], want_h or want_w
+            )
+            total += loss
+            if want_h:
+                dh[s : s + rows] = linear(grad, weight.t())
+            if want_w and compute_dtype(hc) == hc.dtype:
+                dw.addmm_(grad.t(), hc)
+            elif want_w:  # a CPU without native bf16: the fp32 kernel, as kernels.linear does
+                dw.add_(linear(grad.t(), hc.t()))
         ctx.save_for_backward(dh, dw)
         return total
 
@@ -49,12 +62,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         dh, dw = ctx.saved_tensors
         # The saved gradients are this call's alone and backward runs once: scale them in place.
-        return (
-            (dh.mul_(grad) if dh is not None else None),
-            (dw.mul_(grad) if dw is not None else None),
-            None,
-            None,
-        )
+        dh = dh.mul_(grad) if dh is not None else None
+        return dh, (dw.mul_(grad) if dw is not None else None), None, None, None
 
 
 class Head(Linear):
@@ -68,4 +77,10 @@ class Head(Linear):
         if targets is None:
             return linear(x, self.weight, self.bias)
         assert self.bias is None, "the LM head has no bias"
-        return _LinearCrossEntropy.apply(x, self.weight, targets, valid.to(torch.float32))
+        return _LinearCrossEntropy.apply(x, self.weight, targets, valid.to(torch.float32), self.chunk_fn)
+
+    chunk_fn = staticmethod(ce_chunk)
+
+    def compile_loss(self, **options) -> None:  # noqa: ANN003 - torch.compile's
+        """Fuse each chunk's elementwise work (log-softmax, softmax, target, mask, cast) into few kernels."""
+        self.chunk_fn = torch.compile(ce_chunk, **options)

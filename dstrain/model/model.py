@@ -216,13 +216,35 @@ class Block(nn.Module):
         self.self_attn = MLA(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.recompute: str | None = None  # 'attention' or 'mlp': that sublayer is recomputed in backward
 
     def forward(self, x, rope, layout):  # noqa: ANN001 - called through checkpoint()
-        x = x + self.self_attn(self.input_layernorm(x), rope, layout)
+        x = x + self._sublayer("attention", self._attention, x, rope, layout)
         if isinstance(self.mlp, MoE):
-            out, aux, load = self.mlp(self.post_attention_layernorm(x))
+            out, aux, load = self._sublayer("mlp", self._ffn, x)
             return x + out, aux, load
-        return x + self.mlp(self.post_attention_layernorm(x)), None, None
+        return x + self._sublayer("mlp", self._ffn, x), None, None
+
+    def _sublayer(self, name: str, fn, *args):  # noqa: ANN001, ANN202
+        if self.recompute == name and self.training:
+            if name == "mlp" and isinstance(self.mlp, MoE) and torch.compiler.is_compiling():
+                return _eager_checkpoint(fn, *args)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _attention(self, x, rope, layout):  # noqa: ANN001, ANN202
+        return self.self_attn(self.input_layernorm(x), rope, layout)
+
+    def _ffn(self, x):  # noqa: ANN001, ANN202
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+@torch.compiler.disable
+def _eager_checkpoint(fn, *args):  # noqa: ANN001, ANN202
+    """A recomputed MoE sublayer inside a compiled block runs eagerly: traced by torch.compile (2.13) within
+    activation checkpointing, the routing weights' gradient from the experts was dropped when the balance
+    loss also used the router's scores (measured: the router's gradient held the balance loss's share only)."""
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 class MTPLayer(nn.Module):
@@ -288,7 +310,7 @@ class DeepSeekLM(nn.Module):
         n = cfg.num_hidden_layers
         self.mtp = nn.ModuleList(MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
         self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     # -------------------------------------------------------------- init and balancing
@@ -333,8 +355,15 @@ class DeepSeekLM(nn.Module):
                 layer_load = layer_load.float().to(router.e_score_correction_bias.device)
                 router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """'full' (or True): every block recomputed in backward; 'attention' / 'mlp': only that sublayer of
+        every block; 'none' (or False): nothing recomputed."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        if mode not in ("none", "full", "attention", "mlp"):
+            raise ValueError(f"activation checkpointing {mode!r}: choose none, full, attention or mlp")
+        self.activation_checkpointing = mode
+        for block in self.blocks():
+            block.recompute = mode if mode in ("attention", "mlp") else None
 
     def blocks(self) -> list[Block]:
         """Every transformer block: the main model's, then the MTP modules'."""
@@ -342,9 +371,12 @@ class DeepSeekLM(nn.Module):
 
     def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
         """Regional compilation (torchtitan's): each transformer block compiled on its own, in place (names and
-        state dict unchanged); blocks of one kind share a graph, and the rest of the model stays eager."""
+        state dict unchanged), blocks of one kind sharing a graph, and the head's loss chunks; the rest of the
+        model stays eager."""
         for block in self.blocks():
             block.compile(**options)
+        if isinstance(self.lm_head, Head):
+            self.lm_head.compile_loss(**options)
 
     # -------------------------------------------------------------- forward
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +437,7 @@ class DeepSeekLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One block (recomputed in backward under activation checkpointing) -> (h, its MoE balance loss,
         its expert load), the last two None for a dense block."""
-        if self.activation_checkpointing and self.training:
+        if self.activation_checkpointing == "full" and self.training:
             return checkpoint(block, h, rope, layout, use_reentrant=False)
         return block(h, rope, layout)
 

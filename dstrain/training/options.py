@@ -48,8 +48,15 @@ class ModelOptions:
     """alpha: weight of the sequence-wise balance loss (default: the model config's)."""
     mtp_loss_weight: float | None = None
     """lambda: weight of the multi-token-prediction loss (default: the model config's)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in backward instead of storing its activations."""
+    activation_checkpointing: Literal["none", "full", "attention", "mlp"] = field(
+        default="none", metadata={"bare": "full", "negated": "none"}
+    )
+    """Recompute in backward instead of storing: 'full' each transformer block; 'attention' only the attention
+    sublayers; 'mlp' only the MLP / MoE sublayers; 'none' stores everything. A bare --activation_checkpointing
+    is 'full', --no-activation_checkpointing 'none'."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation: inductor, on CPU and GPU);
+    the first step, which compiles, is timed and printed."""
 
     def __post_init__(self) -> None:
         _check(self, non_negative=("moe_bias_update_speed", "moe_aux_loss_alpha", "mtp_loss_weight"))
@@ -258,6 +265,9 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     tp, choices, optional = base_type(hints[name])
     if value is None and optional:
         return None
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+    if isinstance(value, bool) and "bare" in meta:  # a recipe's true / false for an option with modes
+        return meta["bare"] if value else meta["negated"]
     try:
         if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
@@ -296,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
             kw: dict[str, Any] = {"dest": f.name, "help": helptext}
             if tp is bool:
                 kw["action"] = argparse.BooleanOptionalAction
+            elif "bare" in f.metadata:  # --NAME [MODE]: a bare flag means metadata["bare"]; --no-NAME
+                kw.update(nargs="?", const=f.metadata["bare"], choices=choices, metavar="MODE")
+                group.add_argument(
+                    f"--no-{f.name}",
+                    dest=f.name,
+                    action="store_const",
+                    const=f.metadata["negated"],
+                    help=argparse.SUPPRESS,
+                )
             else:
                 kw["type"] = converter(tp, f.name)
                 kw["metavar"] = f.name.upper()

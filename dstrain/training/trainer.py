@@ -96,6 +96,12 @@ class Trainer:
         model, module, mpu = built.model, built.module, built.mpu
         self.groups, self.load_stats = built.groups, built.load
         model.set_activation_checkpointing(opts.model.activation_checkpointing)
+        if opts.model.compile:
+            if self.pipe:
+                # DeepSpeed's pipeline runs backward from each stage output with retain_graph=True, which
+                # backward graphs compiled with donated buffers refuse.
+                torch._functorch.config.donated_buffer = False
+            model.compile_blocks()
         model.train()
         self.engine, _, _, _ = deepspeed.initialize(
             model=module,
@@ -341,6 +347,10 @@ class Trainer:
             fpt_cache: dict[int, float] = {}
             while self.step < end:
                 rec = self.train_step()
+                if opts.model.compile and not recent:
+                    display.write(
+                        f"dstrain: --compile: the first step, compiling the blocks, took {rec['step_time_s']:.1f} s"
+                    )
                 recent.append(rec["step_time_s"])
                 if rec["seq_len"] not in fpt_cache:
                     fpt_cache[rec["seq_len"]] = flops_per_token(self.cfg, rec["seq_len"])

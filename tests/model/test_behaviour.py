@@ -186,14 +186,41 @@ def test_bf16_forward_backward_keeps_router_fp32():
     assert all(r.e_score_correction_bias.dtype == torch.float32 for r in model.routers())
 
 
-def test_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("mode", [True, "full", "attention", "mlp"])
+def test_activation_checkpointing_gives_same_gradients(mode):
+    """Every mode recomputes in backward and gives the stored run's gradients (packed rows: the mask too)."""
     a, b = tiny().train(), tiny().train()
-    b.set_activation_checkpointing(True)
+    b.set_activation_checkpointing(mode)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16)
     for m in (a, b):
-        m(ids, labels=ids).loss.backward()
+        m(ids, position_ids=pos, labels=ids).loss.backward()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6), n
+
+
+def test_selective_checkpointing_keeps_less():
+    """What autograd keeps for backward: 'attention' and 'mlp' each keep less than storing everything, and
+    'full' less than either."""
+
+    def saved_bytes(mode: str) -> int:
+        model = tiny().train()
+        model.set_activation_checkpointing(mode)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(5))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return total
+
+    kept = {mode: saved_bytes(mode) for mode in ("none", "attention", "mlp", "full")}
+    assert kept["full"] < kept["attention"] < kept["none"] and kept["full"] < kept["mlp"] < kept["none"], kept
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,22 @@ def worker(mode: str, out: str) -> None:
                 error = f"{type(exc).__name__}: {exc}"
             res[f"nan_{policy}"] = {"history": history, "param_sums": sums, "error": error}
         objective_mod.micro_loss = real
+    elif mode == "compile":
+        # --compile in each layout: 20 steps against the same run eager (ZeRO-2, with activation
+        # checkpointing), 4 steps elsewhere (against the one-process reference, in the test)
+        runs = {
+            "eager_z2": "--config zero2 --max_steps 20",
+            "compiled_z2": "--config zero2 --max_steps 20 --compile --activation_checkpointing",
+            "compiled_z3": "--config zero3 --max_steps 4 --compile",
+            "compiled_pp2": "--config zero1 --pp 2 --max_steps 4 --compile --activation_checkpointing mlp",
+            "compiled_tp2": "--config zero1 --tp 2 --max_steps 4 --compile --activation_checkpointing attention",
+            "compiled_ep2": "--config zero2 --ep 2 --max_steps 4 --compile --activation_checkpointing mlp",
+        }
+        for name, flags in runs.items():
+            args = f"{flags} --micro_batch_size 2 --save_every 0 --clip_grad 0.5 --precision fp32"
+            tr = make_trainer(opts_for(args), f"{out}/{name}", info)
+            tr.run()
+            res[name] = [{"loss": r["loss"], "grad_norm": r["grad_norm"]} for r in tr.history]
     elif mode == "kill":
         tr = make_trainer(opts_for(f"--config zero1 {common} --resume auto"), f"{out}/killed", info)
         res["start_step"] = tr.step
