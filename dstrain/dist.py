@@ -70,11 +70,31 @@ def _fill_env() -> None:
 
 def pick_accelerator() -> str:
     """'cuda' or 'cpu'. Sets DS_ACCELERATOR=cpu when unset and there is no GPU, before deepspeed is imported,
-    so DeepSpeed never probes for other accelerators."""
+    so DeepSpeed never probes for other accelerators. On CUDA, this rank's GPU becomes the current device
+    here, before anything creates a CUDA context (which would otherwise land on GPU 0 for every rank)."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local_cuda_device()
         return os.environ.get("DS_ACCELERATOR", "cuda")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return "cpu"
+
+
+def local_cuda_device() -> torch.device:
+    """This rank's GPU (LOCAL_RANK, or SLURM's/Open MPI's local id), made current. A UserError when the node
+    runs more ranks than it shows GPUs: two ranks on one GPU would fail inside NCCL."""
+    env = os.environ
+    local = int(
+        env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or env.get("OMPI_COMM_WORLD_LOCAL_RANK") or 0
+    )
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise UserError(
+            f"local rank {local} but {count} visible GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch at most {count} rank(s) per node"
+        )
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    return device
 
 
 def init_distributed() -> DistInfo:
@@ -86,15 +106,17 @@ def init_distributed() -> DistInfo:
         world, max(1, torch.cuda.device_count()) if accel == "cuda" else world
     )
     if accel == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+        device = local_cuda_device()
         backend = "nccl"
+        # fp32 matmuls on tensor cores (TF32): what the MFU peak for fp32 runs assumes
+        torch.set_float32_matmul_precision("high")
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:
-            # Ranks on one host share its cores; torch would otherwise give each rank all of them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one host share its cores (GPU ranks too, for host-side work); torch would otherwise give
+        # each rank all of them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     import deepspeed
 
     if not tdist.is_initialized():

@@ -15,6 +15,11 @@ if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == _HERE:
         sys.path.append(os.path.dirname(_HERE))
 
 
+# Routing changes the expert buffers' sizes every step: expandable segments keep the CUDA caching allocator
+# from fragmenting (set before torch initialises CUDA; a user's own setting wins).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def main(argv: list[str] | None = None) -> int:
     from dstrain.training.app import main as app_main
 

@@ -119,7 +119,7 @@ def part_time(cycles: int) -> dict:
     sink = MetricsSink(out, True)
 
     model = build_model(cfg, dtype=torch.float32, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batch = fixed_batch()
 
     def step_a() -> float:

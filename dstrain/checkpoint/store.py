@@ -73,7 +73,7 @@ def rng_state() -> dict[str, Any]:
         "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = _b64(torch.cuda.get_rng_state())  # this rank's device only
     return state
 
 
@@ -84,7 +84,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state(_unb64(cuda if isinstance(cuda, str) else cuda[torch.cuda.current_device()]))
 
 
 # ------------------------------------------------------------------ finding checkpoints

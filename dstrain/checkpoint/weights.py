@@ -24,9 +24,10 @@ WEIGHTS_DIR = "weights"
 INDEX_RE = re.compile(r"^index-rank(\d+)\.json$")
 
 
-def _full_fp32(param: torch.Tensor) -> torch.Tensor | None:
+def _full_fp32(param: torch.Tensor, keep: bool) -> torch.Tensor | None:
     """The fp32 master value of a parameter as this rank sees it whole (its TP/EP slice): DeepSpeed's
-    optimizer copy under ZeRO/bf16 (a collective over the parameter's data-parallel group)."""
+    optimizer copy under ZeRO/bf16. A collective over the parameter's data-parallel group, so every rank
+    calls it; only a rank that `keep`s the value copies it to the host (None elsewhere)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     value = safe_get_full_fp32_param(param)
@@ -34,7 +35,9 @@ def _full_fp32(param: torch.Tensor) -> torch.Tensor | None:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param]):
-            return param.detach().float().cpu().clone()
+            return param.detach().float().cpu().clone() if keep else None
+    if not keep:
+        return None
     return (value if value is not None else param.detach()).float().cpu()
 
 
@@ -72,9 +75,12 @@ def save_weights(
     for name, tensor in local_tensors(model, adapters=True):
         if tensor.device.type == "meta":  # another pipeline stage's layer
             continue
-        is_param = isinstance(tensor, nn.Parameter)
-        value = _full_fp32(tensor) if is_param else tensor.detach().float().cpu()
-        if not _writes(name, tensor, groups, rank):
+        writes = _writes(name, tensor, groups, rank)
+        if isinstance(tensor, nn.Parameter):
+            value = _full_fp32(tensor, keep=writes)
+        else:
+            value = tensor.detach().float().cpu() if writes else None
+        if not writes:
             continue
         shard = shard_of(tensor)
         full = list(value.shape)

@@ -7,6 +7,10 @@ run as grouped GEMMs with no host sync (experts.py).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -316,24 +320,31 @@ class DeepSeekLM(nn.Module):
     # -------------------------------------------------------------- init and balancing
     @torch.no_grad()
     def init_weights(
-        self, generator: torch.Generator | None = None, modules: list[nn.Module] | None = None
+        self,
+        generator: torch.Generator | None = None,
+        gather: Callable[[nn.Module], AbstractContextManager] | None = None,
     ) -> None:
         """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and the expert bias.
-        `modules` restricts it to some subtrees (e.g. MTP layers missing from a checkpoint)."""
+        `gather(module)` is entered around each module's initialisation: DeepSpeed's GatheredParameters, so
+        that a model partitioned by ZeRO-3 initialises one whole module at a time, with the same values."""
         std = self.config.initializer_range
-        roots = modules if modules is not None else [self]
-        for module in (m for root in roots for m in root.modules()):
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, (Router, Experts)):
-                for p in module.parameters(recurse=False):
-                    p.normal_(0.0, std, generator=generator)
-                if isinstance(module, Router) and module.e_score_correction_bias is not None:
-                    module.e_score_correction_bias.zero_()
+        for module in self.modules():
+            with gather(module) if gather is not None else contextlib.nullcontext():
+                self._init_module(module, std, generator)
+
+    @staticmethod
+    def _init_module(module: nn.Module, std: float, generator: torch.Generator | None) -> None:
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, (Router, Experts)):
+            for p in module.parameters(recurse=False):
+                p.normal_(0.0, std, generator=generator)
+            if isinstance(module, Router) and module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.zero_()
 
     def tie_weights(self) -> None:
         """Re-tie after anything that replaces Parameters (`to_empty` from the meta device does)."""

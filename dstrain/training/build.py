@@ -3,7 +3,7 @@ folder so that no rank holds more of it than it trains.
 
 - ZeRO-3: built under DeepSpeed's partitioned init (each module's weights are split across ranks as soon as
   it is constructed), then each rank copies in its own flat partition of every tensor, reading only the rows
-  that partition covers.
+  that partition covers; a fresh model is initialised one gathered module at a time, as `build_model` would.
 - Pipeline / tensor / expert parallel: built on the meta device, parallelised there, and only what this rank
   keeps gets memory; each rank reads its stages' layers and its TP/EP slices.
 - ZeRO-0/1/2 data parallel keeps the whole model on every rank by design; the model is read once per rank.
@@ -51,6 +51,10 @@ def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective
     cfg, dims, seed = plan.model, plan.dims, plan.opts.run.seed
     model_opts, lora = plan.opts.model, plan.opts.lora
     if not os.path.isdir(model_opts.model):
+        if plan.stage == 3:  # partitioned from the start: no rank ever holds the whole model
+            model = _zero3_fresh(cfg, plan.ds, seed, device)
+            apply_finetune_options(model, lora, seed)
+            return Built(model, model)
         model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
         apply_finetune_options(model, lora, seed)
         return _parallel(model, plan, rank, device, objective)
@@ -92,6 +96,24 @@ def _parallel(
         device=device,
     )
     return Built(model, module, mpu, groups)
+
+
+@torch.no_grad()
+def _zero3_fresh(cfg: ModelConfig, ds: dict[str, Any], seed: int, device: torch.device) -> DeepSeekLM:
+    """Built under DeepSpeed's partitioned init, then initialised one whole module at a time (gathered, set
+    by rank 0, partitioned again) in the order of `build_model(cfg, seed=seed)`: the same values in fp32;
+    in bf16 the partitions are bf16 from the start, so the values are sampled in bf16."""
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
+        model = DeepSeekLM(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def gather(module: nn.Module) -> Any:
+        return deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0)
+
+    model.init_weights(gen, gather=gather)
+    return model
 
 
 @torch.no_grad()

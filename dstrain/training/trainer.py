@@ -234,6 +234,7 @@ class Trainer:
     def _micro_batches(self, step: int, batches: list, n_global: torch.Tensor, stats: StepStats) -> tuple:
         dev = self.info.device
         n_dev = n_global.to(dev)
+        bad = torch.zeros(self.ga, device=dev)  # non-finite loss per micro batch, kept on the device
         skip = False
         grad_norm = None
         for i, batch in enumerate(batches):
@@ -242,17 +243,20 @@ class Trainer:
                 input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"]
             )
             loss = objective.micro_loss(out, n_dev, self.scale, self.weights)
-            bad = torch.tensor([0.0 if torch.isfinite(loss).item() else 1.0], device=dev)
-            if dist.all_reduce(bad, tdist.ReduceOp.MAX).item() > 0:
-                if self.opts.run.nan_policy == "stop":
-                    raise NonFiniteLossError(
-                        f"step {step}: non-finite loss (micro batch {i + 1}/{self.ga}); stopped before the "
-                        "update (--nan_policy skip to skip such steps)"
-                    )
-                skip = True
-            if skip:
-                # NaN gradients make DeepSpeed's overflow check drop this step's update on every rank.
-                loss = loss * float("nan")
+            bad[i] = (~torch.isfinite(loss)).float()
+            if i == self.ga - 1:
+                # One host sync a step, before the last backward and the update: every rank learns whether
+                # any micro batch of any rank had a non-finite loss.
+                flags = dist.all_reduce(bad, tdist.ReduceOp.MAX).tolist()
+                if any(flags):
+                    if self.opts.run.nan_policy == "stop":
+                        raise NonFiniteLossError(
+                            f"step {step}: non-finite loss (micro batch {flags.index(1.0) + 1}/{self.ga}); stopped "
+                            "before the update (--nan_policy skip to skip such steps)"
+                        )
+                    skip = True
+                    # NaN gradients make DeepSpeed's overflow check drop this step's update on every rank.
+                    loss = loss * float("nan")
             stats.add(out)
             self.engine.backward(loss)
             if self.plan.stage == 0 and i == self.ga - 1:
@@ -278,12 +282,9 @@ class Trainer:
 
     def _local_full_grad_norm(self) -> float:
         # ZeRO stage 0 keeps whole, already averaged gradients on every rank; DeepSpeed reports no norm there.
-        sq = sum(
-            float(p.grad.detach().double().pow(2).sum())
-            for p in self.model.parameters()
-            if p.grad is not None
-        )
-        return math.sqrt(sq)
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
+        return float(torch.stack([n.double() for n in norms]).norm()) if norms else 0.0
 
     def _imbalance(self, load: torch.Tensor | None) -> dict[str, float]:
         if load is None:

@@ -109,8 +109,12 @@ def reference_run(
     torch.manual_seed(opts.run.seed)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
-    opt = torch.optim.AdamW(
-        param_groups(model, o.weight_decay), lr=s.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
+    opt = torch.optim.AdamW(  # fused, as dstrain's resolved config has torch's AdamW run
+        param_groups(model, o.weight_decay),
+        lr=s.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        fused=True,
     )
     sched = make_scheduler_factory(s)(opt)
     w = Weights.of(cfg)

@@ -175,6 +175,9 @@ def test_shipped_configs_resolve_from_options():
         assert ds["optimizer"]["params"]["lr"] == 3e-3 and ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
         assert ds["scheduler"]["type"] == "WarmupCosineLR"
         assert ds["optimizer"]["params"]["torch_adam"] is (name != "zero3_offload")
+        # torch's fused AdamW where torch's AdamW runs; overlap_comm "auto" is off without CUDA
+        assert ds["optimizer"]["params"].get("fused", False) is (name != "zero3_offload")
+        assert ds["zero_optimization"]["overlap_comm"] is False
         assert "auto" not in json.dumps({k: v for k, v in ds.items() if k != "tensorboard"})
 
 
