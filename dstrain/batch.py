@@ -19,3 +19,31 @@ def target_mask(labels: torch.Tensor, position_ids: torch.Tensor | None, shift: 
     if position_ids is not None:
         valid = valid & (position_ids[:, shift:] == position_ids[:, :-shift] + shift)
     return valid
+
+
+def sequence_halo(mtp_depth: int) -> int:
+    """Tokens after a sequence-parallel slice its positions need: targets up to MTP's deepest shift."""
+    return mtp_depth + 1
+
+
+def sequence_shard(
+    batch: dict[str, torch.Tensor], rank: int, size: int, halo: int
+) -> dict[str, torch.Tensor]:
+    """Sequence-parallel rank `rank` of `size`'s part of a batch: its contiguous seq_len / size tokens of every
+    row plus the `halo` tokens after them (its last positions' targets and MTP's look-ahead inputs), padded at
+    the end of a row with non-targets. Position ids are made explicit (the model gathers them to mask whole
+    rows)."""
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    if t % size:
+        raise ValueError(f"sequence length {t} is not divisible by --sp {size}")
+    c = t // size
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(t, device=ids.device).expand(b, t)
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+    out = {}
+    for key, x in (("input_ids", ids), ("labels", batch["labels"]), ("position_ids", pos)):
+        part = x[:, rank * c : (rank + 1) * c + halo]
+        out[key] = torch.nn.functional.pad(part, (0, c + halo - part.shape[1]), value=fill[key])
+    return out

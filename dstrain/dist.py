@@ -4,6 +4,7 @@ plain `python dstrain/train.py` (one rank, no launcher environment), on GPUs (nc
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 from collections.abc import Callable
@@ -97,7 +98,9 @@ def local_cuda_device() -> torch.device:
     return device
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """The process group, on which every collective (and rendezvous-store wait) gives up after `timeout_s`
+    seconds (--collective_timeout) instead of waiting forever for a rank that died or hangs."""
     accel = pick_accelerator()
     _fill_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -117,10 +120,23 @@ def init_distributed() -> DistInfo:
         # Ranks on one host share its cores (GPU ranks too, for host-side work); torch would otherwise give
         # each rank all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # new_group() without a timeout (DeepSpeed's copy of the world group that ZeRO reduces over, its expert
+    # groups, ours) takes torch's per-backend default (30 min for gloo), not the world group's: make it ours.
+    tdist.distributed_c10d.default_pg_timeout = timeout
+    tdist.distributed_c10d.default_pg_nccl_timeout = timeout
+    chosen = any(k.endswith(("NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING")) for k in os.environ)
+    if backend == "nccl" and not chosen:
+        # torch's NCCL watchdog then ends the process once a collective has timed out (3: without aborting
+        # the communicators first, which can hang): torch's default today, pinned so that no rank waits
+        # forever. A user's own choice wins (TORCH_NCCL_BLOCKING_WAIT=1 raises in the waiting call instead).
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
     import deepspeed
 
     if not tdist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
+        )
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 

@@ -246,7 +246,8 @@ def save(
     dist.barrier()
     with _plain_module_files(engine):
         engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
-    save_weights(model, path, rank=rank, groups=groups)
+    stepped = state.get("progress", {}).get("adam_step", 0) > 0  # AdamW has moments after its first update
+    save_weights(model, path, rank=rank, groups=groups, optimizer=engine.optimizer if stepped else None)
     save_lora_settings(model, path, rank)
     (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
     write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)
@@ -287,18 +288,35 @@ def _plain_module_files(engine: Any) -> Iterator[None]:
         engine.has_moe_layers = had
 
 
-def load(engine: Any, path: Path, rank: int, world_size: int) -> dict[str, Any]:
+def load(engine: Any, path: Path, rank: int, layout: dict[str, Any], model: Any) -> dict[str, Any]:
+    """Restore `engine` from a complete checkpoint and return dstrain's state for this rank. `layout` (world
+    size, parallel degrees, ZeRO stage, precision) decides how: the same as the checkpoint's, DeepSpeed's own
+    files (bit-exact); another, the layout-free weights and moments (reshard.py), and the state comes back
+    with `resharded` set, its `loaders` holding every saved rank's loader state."""
     info = read_marker(path)
-    if int(info["world_size"]) != world_size:
+    saved_world = int(info["world_size"])
+    first = read_state(path, 0)
+    if first.get("layout", {"world": saved_world}) == layout or (
+        "layout" not in first and saved_world == layout["world"]
+    ):
+        state = read_state(path, rank)
+        with _plain_module_files(engine):
+            load_path, _ = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        if load_path is None:
+            raise CheckpointError(f"checkpoint {path}: DeepSpeed could not load it")
+        return state
+    if "progress" not in first:
         raise CheckpointError(
-            f"checkpoint {path} was written by {info['world_size']} ranks; this run has {world_size} "
-            "(exact resume needs the same data-parallel size)"
+            f"checkpoint {path} was written by {saved_world} ranks in another layout, by a dstrain that did not "
+            f"save what resuming in another layout needs: resume it with {saved_world} ranks in its own layout"
         )
-    state = read_state(path, rank)
-    with _plain_module_files(engine):
-        load_path, _ = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-    if load_path is None:
-        raise CheckpointError(f"checkpoint {path}: DeepSpeed could not load it")
+    from .reshard import load_resharded
+
+    load_resharded(engine, model, path, first["progress"], int(first["step"]))
+    states = [first] + [read_state(path, r) for r in range(1, saved_world)]
+    state = dict(states[rank]) if rank < saved_world else {k: v for k, v in first.items() if k != "rng"}
+    state["resharded"] = first.get("layout", {"world": saved_world})
+    state["loaders"] = [s.get("loader") for s in states]
     return state

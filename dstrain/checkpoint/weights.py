@@ -1,10 +1,13 @@
-"""Full-precision model weights in every checkpoint, in any layout, readable without DeepSpeed.
+"""Full-precision model weights and optimizer moments in every checkpoint, in any layout, readable without
+DeepSpeed.
 
 `save_weights` (collective) writes CHECKPOINT/weights/: safetensors files of fp32 master weights in dstrain's
-state-dict naming plus one index per writing rank. Each tensor (or slice) is written once: a pipeline stage
-writes its own layers; a tensor-parallel or expert-parallel shard is written by its owner with where it sits
-in the full tensor; replicated tensors by one rank. `iter_weights` puts the pieces back together one tensor at
-a time (export streams from it; memory stays at one tensor plus one file's buffer).
+state-dict naming plus one index per writing rank, and the same for AdamW's moments of every trained
+parameter in CHECKPOINT/optimizer/exp_avg/ and .../exp_avg_sq/. Each tensor (or slice) is written once: a
+pipeline stage writes its own layers; a tensor-parallel or expert-parallel shard is written by its owner with
+where it sits in the full tensor; replicated tensors by one rank. `iter_weights` puts the pieces back together
+one tensor at a time (export streams from it; memory stays at one tensor plus one file's buffer);
+`local_slice` cuts the part a rank of another layout holds (resuming elsewhere, reshard.py).
 """
 
 from __future__ import annotations
@@ -21,15 +24,36 @@ from torch import nn
 from dstrain.model.loading import local_tensors, shard_of
 
 WEIGHTS_DIR = "weights"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, the one optimizer dstrain runs
 INDEX_RE = re.compile(r"^index-rank(\d+)\.json$")
 
 
-def _full_fp32(param: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The fp32 master value of a parameter as this rank sees it whole (its TP/EP slice): DeepSpeed's
-    optimizer copy under ZeRO/bf16. A collective over the parameter's data-parallel group, so every rank
-    calls it; only a rank that `keep`s the value copies it to the host (None elsewhere)."""
-    from deepspeed.utils import safe_get_full_fp32_param
+def moments_dir(key: str) -> str:
+    return f"optimizer/{key}"
 
+
+def link_moments(optimizer: Any) -> None:
+    """Point every parameter's fragment at the moments of its group. DeepSpeed 0.19's ZeRO-1/2 and bf16
+    optimizers link them once, after stepping the first group, so the other groups' (the norms') stay
+    unlinked and `safe_get/set_full_optimizer_state` fail on them."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _full_fp32(
+    param: torch.Tensor, keep: bool, optimizer: Any = None, key: str | None = None
+) -> torch.Tensor | None:
+    """The fp32 master value (or optimizer moment `key`) of a parameter as this rank sees it whole (its TP/EP
+    slice): DeepSpeed's optimizer copy under ZeRO/bf16. A collective over the parameter's data-parallel group,
+    so every rank calls it; only a rank that `keep`s the value copies it to the host (None elsewhere)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if key is not None:
+        value = safe_get_full_optimizer_state(param, key)
+        if value is None:
+            value = optimizer.state[param][key]  # no ZeRO: torch's AdamW holds the moment itself
+        return value.detach().float().cpu() if keep else None
     value = safe_get_full_fp32_param(param)
     if value is None and hasattr(param, "ds_id"):  # frozen under ZeRO-3: no master copy, gather the weight
         import deepspeed
@@ -51,27 +75,64 @@ def _writes(name: str, tensor: torch.Tensor, groups: Any, rank: int) -> bool:
     return groups.dp_rank == 0
 
 
+class _Folder:
+    """One folder of safetensors files plus this rank's index, written in shards of `max_bytes`."""
+
+    def __init__(self, path: Path, rank: int, max_bytes: int) -> None:
+        self.out, self.rank, self.max_bytes = path, rank, max_bytes
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.index: dict[str, Any] = {}
+        self.buf: dict[str, torch.Tensor] = {}
+        self.size = self.files = 0
+
+    def add(self, name: str, value: torch.Tensor, shard: tuple[int, int, int] | None) -> None:
+        full = list(value.shape)
+        if shard is not None:
+            full[shard[0]] *= shard[2]
+        self.index[name] = {
+            "shape": list(value.shape),
+            "full_shape": full,
+            "shard": list(shard) if shard else None,
+        }
+        self.buf[name] = value.contiguous()
+        self.size += value.numel() * 4
+        if self.size >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.buf:
+            name = f"rank{self.rank:05d}-{self.files:05d}.safetensors"
+            save_file(self.buf, str(self.out / name))
+            for key in self.buf:
+                self.index[key]["file"] = name
+            self.buf, self.size, self.files = {}, 0, self.files + 1
+
+    def close(self) -> None:
+        self.flush()
+        (self.out / f"index-rank{self.rank:05d}.json").write_text(
+            json.dumps({"format": "dstrain-weights-1", "tensors": self.index})
+        )
+
+
 def save_weights(
-    model: nn.Module, path: Path, *, rank: int, groups: Any = None, max_shard_bytes: int = 2**31
+    model: nn.Module,
+    path: Path,
+    *,
+    rank: int,
+    groups: Any = None,
+    optimizer: Any = None,
+    max_shard_bytes: int = 2**31,
 ) -> None:
-    """Collective: every rank calls it, with the same parameter order within each data-parallel group."""
-    from safetensors.torch import save_file
-
-    out = Path(path) / WEIGHTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {}
-    buf: dict[str, torch.Tensor] = {}
-    size, files = 0, 0
-
-    def flush() -> None:
-        nonlocal buf, size, files
-        if buf:
-            name = f"rank{rank:05d}-{files:05d}.safetensors"
-            save_file(buf, str(out / name))
-            for key in buf:
-                index[key]["file"] = name
-            buf, size, files = {}, 0, files + 1
-
+    """Collective: every rank calls it, with the same parameter order within each data-parallel group.
+    `optimizer` (DeepSpeed's, once it has stepped): also write the moments of the trained parameters."""
+    path = Path(path)
+    weights = _Folder(path / WEIGHTS_DIR, rank, max_shard_bytes)
+    moments = {k: _Folder(path / moments_dir(k), rank, max_shard_bytes) for k in MOMENTS} if optimizer else {}
+    base = getattr(optimizer, "optimizer", optimizer)  # torch's AdamW under DeepSpeed's wrapper
+    if optimizer is not None:
+        link_moments(optimizer)
     for name, tensor in local_tensors(model, adapters=True):
         if tensor.device.type == "meta":  # another pipeline stage's layer
             continue
@@ -80,36 +141,24 @@ def save_weights(
             value = _full_fp32(tensor, keep=writes)
         else:
             value = tensor.detach().float().cpu() if writes else None
-        if not writes:
-            continue
-        shard = shard_of(tensor)
-        full = list(value.shape)
-        if shard is not None:
-            full[shard[0]] *= shard[2]
-        index[name] = {
-            "shape": list(value.shape),
-            "full_shape": full,
-            "shard": list(shard) if shard else None,
-        }
-        buf[name] = value.contiguous()
-        size += value.numel() * 4
-        if size >= max_shard_bytes:
-            flush()
-    flush()
-    (out / f"index-rank{rank:05d}.json").write_text(
-        json.dumps({"format": "dstrain-weights-1", "tensors": index})
-    )
+        trained = isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        for key, folder in moments.items() if trained else ():
+            moment = _full_fp32(tensor, writes, base, key)
+            if writes:
+                folder.add(name, moment, shard_of(tensor))
+        if writes:
+            weights.add(name, value, shard_of(tensor))
+    for folder in (weights, *moments.values()):
+        folder.close()
 
 
-def weights_index(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
+def weights_index(checkpoint_dir: Path, folder: str = WEIGHTS_DIR) -> dict[str, dict[str, Any]]:
     """name -> {"full_shape", "pieces": [{"file", "shard"}...]} over every rank's index."""
-    root = Path(checkpoint_dir) / WEIGHTS_DIR
+    root = Path(checkpoint_dir) / folder
     merged: dict[str, dict[str, Any]] = {}
     files = sorted(p for p in root.glob("index-rank*.json") if INDEX_RE.match(p.name))
     if not files:
-        raise FileNotFoundError(
-            f"{checkpoint_dir}: no {WEIGHTS_DIR}/index-rank*.json (not a dstrain checkpoint?)"
-        )
+        raise FileNotFoundError(f"{checkpoint_dir}: no {folder}/index-rank*.json (not a dstrain checkpoint?)")
     for f in files:
         for name, entry in json.loads(f.read_text())["tensors"].items():
             item = merged.setdefault(name, {"full_shape": entry["full_shape"], "pieces": []})
@@ -127,12 +176,14 @@ def weights_index(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
     return merged
 
 
-def iter_weights(checkpoint_dir: Path, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    checkpoint_dir: Path, names: list[str] | None = None, folder: str = WEIGHTS_DIR
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full fp32 tensor), one at a time, in index order (or the order of `names`)."""
     from safetensors import safe_open
 
-    root = Path(checkpoint_dir) / WEIGHTS_DIR
-    index = weights_index(checkpoint_dir)
+    root = Path(checkpoint_dir) / folder
+    index = weights_index(checkpoint_dir, folder)
     for name in names if names is not None else list(index):
         item = index[name]
         parts = []
@@ -143,6 +194,12 @@ def iter_weights(checkpoint_dir: Path, names: list[str] | None = None) -> Iterat
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         assert list(tensor.shape) == item["full_shape"], (name, tensor.shape, item["full_shape"])
         yield name, tensor
+
+
+def local_slice(full: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a whole saved tensor that `tensor` (a TP/EP shard of this layout, or whole) holds."""
+    shard = shard_of(tensor)
+    return full if shard is None else full.chunk(shard[2], dim=shard[0])[shard[1]]
 
 
 @torch.no_grad()

@@ -1,12 +1,11 @@
 """`build_loader` and `Loader`: the infinite, resumable batch iterator the trainer consumes.
 
-With `num_workers = W >= 1` each rank runs W DataLoader processes, each one consumer stream (see
-pipeline.py); torch hands their batches out round-robin, so the batch sequence is fixed by (data, seed,
-dp_world, W). `num_workers` 0 and 1 give the same batches. Workers attach a snapshot of their stream state to
-every `SNAPSHOT_EVERY`-th batch; the loader's state is, per worker, the last snapshot it has *consumed* plus
-the number of rows consumed since, so batches prefetched but not yet handed to the trainer are never lost or
-repeated. On resume a worker restores its snapshot and replays those rows (at most SNAPSHOT_EVERY - 1
-batches of work).
+The order of rows is global (see `Loader`): the same global batches on any number of ranks, so a run may
+continue on another world size or layout. With `num_workers = W >= 1` each rank runs W DataLoader processes
+that share its streams; `num_workers` 0 and any W give the same rows. Workers attach a snapshot of a
+stream's state to every `SNAPSHOT_EVERY`-th row of it; the loader's state is, per stream, the last snapshot it
+has *consumed* plus the rows consumed since, so rows prefetched but not yet handed to the trainer are never
+lost or repeated. On resume a stream restores its snapshot and replays those rows.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dstrain.errors import DataError
@@ -28,58 +28,87 @@ from .tokenizer import special_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-FORMAT = "dstrain.data.Loader/1"
-SNAPSHOT_EVERY = 8
+FORMAT = "dstrain.data.Loader/2"
+SNAPSHOT_EVERY = 8  # rows of one stream between the snapshots a worker sends
 
 
-def _tensors(batch: dict) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v) for k, v in batch.items()}
+def default_streams(dp_world: int, workers: int) -> int:
+    """The smallest multiple of the readers (ranks x workers) that is at least 8."""
+    readers = dp_world * max(1, workers)
+    return readers * max(1, -(-8 // readers))
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One state holding every stream of the given ranks' loader states (all saved at the same step): what a
+    run on another number of ranks resumes from, each rank taking its own streams."""
+    first = states[0]
+    for other in states[1:]:
+        if other.get("global_rows") != first.get("global_rows"):
+            raise DataError(
+                f"data: loader states of one checkpoint disagree on the rows consumed "
+                f"({other.get('global_rows')} vs {first.get('global_rows')})"
+            )
+    merged: dict = {}
+    for state in states:
+        merged.update(state.get("stream_states", {}))
+    return {**first, "stream_states": merged}
+
+
+def _row_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.concatenate([r[k] for r in rows])) for k in rows[0]}
 
 
 class _Workers(torch.utils.data.IterableDataset):
+    """DataLoader worker i yields local rows first + i, first + i + W, ... (one row per item, so torch's
+    round-robin over workers hands them out in row order); those rows come from the fixed subset of this
+    rank's streams that W divides out."""
+
     def __init__(self, loader: Loader):
-        self.sources, self.opts, self.tok = loader._sources, loader.opts, loader._tok
-        self.rows, self.dp_rank, self.workers = loader.micro_batch_size, loader.dp_rank, loader._workers
-        self.n_consumers, self.seed = loader.dp_world * loader._workers, loader.seed
-        self.states, self.rotate = [dict(s) for s in loader._states], loader._next
+        self.loader = loader
+        self.first = loader._rows_done
+        self.states = {s: dict(st) for s, st in loader._states.items()}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        logical = ((info.id if info else 0) + self.rotate) % self.workers
+        ld, n = self.loader, self.loader._workers
+        i = info.id if info else 0
+        streams: dict[int, Stream] = {}
+        since: dict[int, int] = {}
         try:
-            saved = self.states[logical]
-            stream = Stream(
-                self.sources,
-                self.opts,
-                self.tok,
-                self.rows,
-                self.dp_rank * self.workers + logical,
-                self.n_consumers,
-                self.seed,
-                saved["stream"],
-            )
-            stream.skip_rows(saved["replay"])
-            since = 0
+            row = self.first + i
             while True:
+                s = ld._stream_of(row)
+                if s not in streams:
+                    streams[s] = ld._open(s, self.states[s])
+                    since[s] = 0
+                stream = streams[s]
                 batch = stream.next_batch()
-                since += 1
+                since[s] += 1
                 snap = None
-                if since >= SNAPSHOT_EVERY:
-                    snap, since = stream.state_dict(), 0
+                if since[s] >= SNAPSHOT_EVERY:
+                    snap, since[s] = stream.state_dict(), 0
                 yield {
-                    "worker": logical,
-                    "batch": _tensors(batch),
+                    "stream": s,
+                    "row": batch,
                     "snapshot": snap,
                     "stats": dict(stream.stats),
                     "epoch": stream.epoch,
                 }
+                row += n
         except DataError as e:  # re-raised in the training process with the same one-line message
-            yield {"worker": logical, "error": str(e)}
+            yield {"stream": -1, "error": str(e)}
 
 
 class Loader:
     """Infinite iterator of batches: dicts of LongTensors `input_ids`, `labels`, `position_ids`, each of shape
-    (micro_batch_size, seq_len). `state_dict()` / `load_state_dict()` resume it exactly; `stats` counts."""
+    (micro_batch_size, seq_len). `state_dict()` / `load_state_dict()` resume it exactly, on the same or
+    another number of ranks (see `merge_states`); `stats` counts.
+
+    Rows: the data is split into `streams` streams (pipeline.Stream, consumer s of `streams`); global row g is
+    stream g mod streams's next row. Rank r of dp takes global rows r, r + dp, r + 2 dp, ..., that is its local
+    row l is global row r + dp * l, read from stream r + dp * (l mod streams/dp). Each global batch (micro x
+    GA x dp consecutive global rows) is therefore the same set of rows for any dp, micro and GA that multiply
+    to it, and a checkpoint's position is one number, the global rows consumed."""
 
     def __init__(
         self,
@@ -96,12 +125,32 @@ class Loader:
         self.micro_batch_size, self.seed = micro_batch_size, seed
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self._workers = max(1, opts.num_workers)
-        self._states: list[dict] = [{"stream": None, "replay": 0} for _ in range(self._workers)]
-        self._stats: list[dict] = [{} for _ in range(self._workers)]
-        self._epochs = [0] * self._workers
-        self._next = 0
+        self._set_streams(opts.data_streams or default_streams(dp_world, opts.num_workers))
+        self._rows_done = 0  # this rank's rows handed out
         self._it = None
-        self._stream: Stream | None = None
+        self._live: dict[int, Stream] = {}  # num_workers 0: the streams, in this process
+
+    def _set_streams(self, n: int) -> None:
+        readers = self.dp_world * self._workers
+        if n % readers:
+            raise DataError(
+                f"data: {n} data streams cannot be shared by {self.dp_world} data-parallel rank(s) x "
+                f"{self._workers} worker(s): the streams must be a multiple of {readers} "
+                "(--data_streams, or a resumed checkpoint's; change --num_workers or the rank count)"
+            )
+        self.streams = n
+        self._mine = list(range(self.dp_rank, n, self.dp_world))
+        self._states: dict[int, dict] = {s: {"stream": None, "replay": 0} for s in self._mine}
+        self._stats: dict[int, dict] = {s: {} for s in self._mine}
+        self._epochs: dict[int, int] = dict.fromkeys(self._mine, 0)
+
+    def _stream_of(self, row: int) -> int:
+        return self._mine[row % len(self._mine)]
+
+    def _open(self, s: int, saved: dict) -> Stream:
+        stream = Stream(self._sources, self.opts, self._tok, 1, s, self.streams, self.seed, saved["stream"])
+        stream.skip_rows(saved["replay"])
+        return stream
 
     @property
     def sft(self) -> bool:
@@ -111,94 +160,101 @@ class Loader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        rows = [self._next_row() for _ in range(self.micro_batch_size)]
+        return _row_tensors(rows)
+
+    def _next_row(self) -> dict:
+        s = self._stream_of(self._rows_done)
         if self.opts.num_workers == 0:
-            if self._stream is None:
-                saved = self._states[0]
-                self._stream = Stream(
-                    self._sources,
-                    self.opts,
-                    self._tok,
-                    self.micro_batch_size,
-                    self.dp_rank,
-                    self.dp_world,
-                    self.seed,
-                    saved["stream"],
-                )
-                self._stream.skip_rows(saved["replay"])
-                self._stats[0] = self._stream.stats
-            batch = self._stream.next_batch()
-            self._epochs[0] = self._stream.epoch
-            return _tensors(batch)
-        if self._it is None:
-            self._it = iter(
-                torch.utils.data.DataLoader(
-                    _Workers(self), batch_size=None, num_workers=self._workers, prefetch_factor=4
-                )
-            )
-        item = next(self._it)
-        w = item["worker"]
-        if "error" in item:
-            self.close()
-            raise DataError(item["error"])
-        if item["snapshot"] is not None:
-            self._states[w] = {"stream": item["snapshot"], "replay": 0}
+            if s not in self._live:
+                self._live[s] = self._open(s, self._states[s])
+            stream = self._live[s]
+            row = stream.next_batch()
+            self._stats[s], self._epochs[s] = stream.stats, stream.epoch
         else:
-            self._states[w] = {**self._states[w], "replay": self._states[w]["replay"] + self.micro_batch_size}
-        self._stats[w], self._epochs[w] = item["stats"], item["epoch"]
-        self._next = (w + 1) % self._workers
-        return item["batch"]
+            if self._it is None:
+                self._it = iter(
+                    torch.utils.data.DataLoader(
+                        _Workers(self), batch_size=None, num_workers=self._workers, prefetch_factor=16
+                    )
+                )
+            item = next(self._it)
+            if "error" in item:
+                self.close()
+                raise DataError(item["error"])
+            assert item["stream"] == s, (item["stream"], s)
+            state = self._states[s]
+            if item["snapshot"] is not None:
+                self._states[s] = {"stream": item["snapshot"], "replay": 0}
+            else:
+                self._states[s] = {**state, "replay": state["replay"] + 1}
+            self._stats[s], self._epochs[s] = item["stats"], item["epoch"]
+            row = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in item["row"].items()}
+        self._rows_done += 1
+        return row
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters summed over this rank's workers: documents, tokens, targets, rows, padding, dropped,
+        """Counters summed over this rank's streams: documents, tokens, targets, rows, padding, dropped,
         truncated, skipped_* ... plus `epoch` (complete passes over the least-advanced source)."""
         stats: Counter = Counter(dict.fromkeys(STAT_KEYS, 0))
-        for s in self._stats:
+        for s in self._stats.values():
             stats.update(s)
-        return {**{k: int(v) for k, v in sorted(stats.items())}, "epoch": min(self._epochs)}
+        return {**{k: int(v) for k, v in sorted(stats.items())}, "epoch": min(self._epochs.values())}
 
     @property
     def epoch(self) -> int:
         return self.stats["epoch"]
 
-    def _layout(self) -> dict:
-        return {
-            "dp_rank": self.dp_rank,
-            "dp_world": self.dp_world,
-            "workers": self._workers,
-            "seed": self.seed,
-            "data": self.opts.data,
-            "seq_len": self.opts.seq_len,
-        }
+    def _identity(self) -> dict:
+        return {"seed": self.seed, "data": self.opts.data, "seq_len": self.opts.seq_len}
 
     def state_dict(self) -> dict:
-        """JSON-serialisable: per worker the stream state (source positions, epochs, shuffle buffer, packing
-        buffer, counters) and the rows consumed since it, plus the next worker to read from."""
-        states = self._states
-        if self._stream is not None:
-            states = [{"stream": self._stream.state_dict(), "replay": 0}]
-        return {"format": FORMAT, **self._layout(), "next_worker": self._next, "workers_state": states}
+        """JSON-serialisable: the global rows consumed and, per stream of this rank, its state (source
+        positions, epochs, shuffle buffer, packing buffer, counters) and the rows consumed since it."""
+        states = dict(self._states)
+        for s, stream in self._live.items():
+            states[s] = {"stream": stream.state_dict(), "replay": 0}
+        return {
+            "format": FORMAT,
+            **self._identity(),
+            "streams": self.streams,
+            "global_rows": self._rows_done * self.dp_world,
+            "stream_states": {str(s): st for s, st in states.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from this rank's own state, or from `merge_states` of another layout's ranks."""
         if state.get("format") != FORMAT:
             raise DataError(f"data: not a dstrain loader state (format {state.get('format')!r})")
-        layout = self._layout()
-        diff = [f"{k}={state.get(k)!r} (now {v!r})" for k, v in layout.items() if state.get(k) != v]
+        now = self._identity()
+        diff = [f"{k}={state.get(k)!r} (now {v!r})" for k, v in now.items() if state.get(k) != v]
         if diff:
             raise DataError(f"data: loader state does not match this run: saved with {', '.join(diff)}")
         self.close()
-        self._states = [dict(s) for s in state["workers_state"]]
-        self._next = state["next_worker"]
-        for w, saved in enumerate(self._states):
-            stream = saved["stream"] or {}
-            self._stats[w] = dict(stream.get("stats", {}))
-            self._epochs[w] = min((r["epoch"] for r in stream.get("readers", [])), default=0)
+        self._set_streams(int(state["streams"]))
+        rows = int(state["global_rows"])
+        if rows % self.dp_world:
+            raise DataError(
+                f"data: the checkpoint consumed {rows} rows, which {self.dp_world} data-parallel ranks cannot "
+                "share evenly (keep a global batch that is a multiple of the rank count)"
+            )
+        saved = state["stream_states"]
+        missing = [s for s in self._mine if str(s) not in saved]
+        if missing:
+            raise DataError(f"data: loader state lacks stream(s) {missing} of {self.streams}")
+        self._rows_done = rows // self.dp_world
+        for s in self._mine:
+            self._states[s] = dict(saved[str(s)])
+            stream = self._states[s]["stream"] or {}
+            self._stats[s] = dict(stream.get("stats", {}))
+            self._epochs[s] = min((r["epoch"] for r in stream.get("readers", [])), default=0)
 
     def close(self) -> None:
         """Stop the worker processes (a later `next()` restarts them from the current state)."""
-        if self._stream is not None:
-            self._states = [{"stream": self._stream.state_dict(), "replay": 0}]
-            self._stream = None
+        for s, stream in self._live.items():
+            self._states[s] = {"stream": stream.state_dict(), "replay": 0}
+        self._live = {}
         self._it = None
 
     def __del__(self):

@@ -68,7 +68,7 @@ class DataOptions:
     """Shuffle shard order every epoch and documents through a buffer (deterministic given the seed)."""
 
     shuffle_buffer: int = 1000
-    """Documents held by the shuffle buffer (saved in the loader state; 0 disables the buffer)."""
+    """Documents held by each stream's shuffle buffer (saved in the loader state; 0 disables the buffer)."""
 
     packing: bool = True
     """Pack several documents into each row (pretraining: concatenate and split; SFT: best-fit of whole
@@ -79,6 +79,13 @@ class DataOptions:
 
     num_workers: int = 1
     """Background DataLoader processes per rank that read, tokenize and pack (0: in the training process)."""
+
+    data_streams: int | None = None
+    """Streams the training data is split into: each reads its own part of the records, shuffles and packs
+    it, and global row g comes from stream g mod data_streams, so the rows of a global batch do not depend on
+    the number of ranks. Data-parallel rank r reads streams r, r + dp, ...; dp x max(1, num_workers) must
+    divide it. Fixed for a run: a resumed run keeps its checkpoint's. Default: the smallest multiple of
+    dp x max(1, num_workers) that is at least 8 (so 1, 2, 4 or 8 ranks can continue one another's runs)."""
 
     eval_data: str | None = None
     """Held-out evaluation data: sources in --data's syntax, read with --data's format, template and masks."""
@@ -109,7 +116,10 @@ class DataOptions:
             need(value in allowed, f"{name} must be one of {', '.join(allowed)} (got {value!r})")
         need(bool(self.text_field), "text_field must be a column name (got an empty string)")
         need(self.tokenizer is None or bool(self.tokenizer), "tokenizer must be a name or path, or None")
-        for name, low in (("seq_len", 2), ("shuffle_buffer", 0), ("pack_buffer", 1), ("num_workers", 0)):
+        checked = [("seq_len", 2), ("shuffle_buffer", 0), ("pack_buffer", 1), ("num_workers", 0)]
+        if self.data_streams is not None:
+            checked.append(("data_streams", 1))
+        for name, low in checked:
             value = getattr(self, name)
             need(
                 isinstance(value, int) and not isinstance(value, bool) and value >= low,

@@ -1,6 +1,6 @@
-"""One consumer's stream (a data-parallel rank's DataLoader worker): read -> mix -> shuffle -> tokenize -> pack.
+"""One data stream: read -> mix -> shuffle -> tokenize -> pack.
 
-Consumers are numbered `dp_rank * workers + worker` out of `dp_world * workers`. A source with at least as
+Streams (consumers) are numbered 0 .. n-1 (`--data_streams`; loader.py deals them out to ranks and workers). A source with at least as
 many shards as consumers is split by shard (shard i goes to consumer i mod n); otherwise every consumer reads
 every shard and keeps the records whose row index is its own modulo n. Either way consumers read disjoint
 records and together cover the whole source. Each consumer cycles through its part forever; each source keeps
@@ -53,6 +53,7 @@ STAT_KEYS = (
     "held_out",
 )
 _M64 = (1 << 64) - 1
+_START = {"epoch": 0, "pos": 0, "row": 0, "sub": 0, "rows": 0, "docs": 0}  # a reader's state at the start
 RECOUNT_DOCS = 100_000  # records read again to name the skip reasons when nothing is usable
 # what a bare counter name does not say
 _NOTES = {
@@ -128,7 +129,13 @@ class SourceReader:
             self.mine, self.stride, self.offset = shards[consumer::n_consumers], 1, 0
         else:
             self.mine, self.stride, self.offset = shards, n_consumers, consumer
-        st = state or {"epoch": 0, "pos": 0, "row": 0, "sub": 0, "rows": 0, "docs": 0}
+        st = state or _START
+        # A pass over this stream's share that gave no document (a source with fewer usable records than
+        # streams): from then on the stream reads the whole source, rather than failing while other streams
+        # have documents. Such small sources repeat across streams.
+        self.whole = bool(st.get("whole"))
+        if self.whole:
+            self.mine, self.stride, self.offset = shards, 1, 0
         self.epoch, self.pos, self.row, self.sub = st["epoch"], st["pos"], st["row"], st["sub"]
         self.epoch_rows, self.epoch_docs = st["rows"], st["docs"]
         self.epoch_skips = Counter(st.get("skips", {}))  # this epoch's, to name them if nothing is left
@@ -145,6 +152,7 @@ class SourceReader:
             "rows": self.epoch_rows,
             "docs": self.epoch_docs,
             "skips": dict(self.epoch_skips),
+            "whole": self.whole,
         }
 
     def order(self, epoch: int) -> list[int]:
@@ -165,9 +173,23 @@ class SourceReader:
             while self.pos < len(order):
                 yield from self._read(order[self.pos])
                 self.pos, self.row, self.sub = self.pos + 1, 0, 0
+            if self.epoch_docs == 0 and not self.read_error and self.n_consumers > 1 and not self.whole:
+                self._whole()
+                continue  # the same epoch again, over the whole source
             self._check_epoch()
             self.epoch, self.pos, self.epoch_rows, self.epoch_docs = self.epoch + 1, 0, 0, 0
             self.epoch_skips, self.read_error = Counter(), ""
+
+    def _whole(self) -> None:
+        self.whole, self.mine, self.stride, self.offset = True, list(range(self.src.n_shards)), 1, 0
+        self.pos, self.row, self.sub, self.epoch_rows, self.epoch_docs = 0, 0, 0, 0, 0
+        self.epoch_skips = Counter()
+
+    def read_whole(self) -> None:
+        """From now on read the whole source, starting this epoch again."""
+        if not self.whole:
+            self._whole()
+            self._gen = None
 
     def on_skip(self, skip: Skip, origin) -> None:
         self.epoch_skips[skip.reason] += 1
@@ -180,8 +202,8 @@ class SourceReader:
             raise DataError(f"data: no record of source {spec} could be read ({self.read_error})")
         if self.epoch_rows == 0:
             raise DataError(
-                f"data: source {spec!r} has no records for consumer {self.consumer} of "
-                f"{self.n_consumers} (data-parallel ranks x workers): it has fewer records than consumers"
+                f"data: source {spec!r} has no records for data stream {self.consumer} of "
+                f"{self.n_consumers}: it has fewer records than streams (lower --data_streams)"
             )
         if self.epoch_docs == 0 and self.split != "eval":  # a source may hold out nothing
             summary = skip_summary(self.epoch_skips, self.opts.seq_len)
@@ -318,9 +340,7 @@ class Stream:
         self.consumer, self.n_consumers, self.seed = consumer, n_consumers, seed
         st = state or {}
         if st and (st.get("version") != STATE_VERSION or st.get("consumers") != [consumer, n_consumers]):
-            raise DataError(
-                "data: loader state was saved for another layout (dp_world x num_workers) or version"
-            )
+            raise DataError("data: loader state was saved for another --data_streams or version")
         self.stats: Counter = Counter(st.get("stats", {}))
         self._warned: set = set()
         readers_state = st.get("readers") or [None] * len(sources)
@@ -382,7 +402,11 @@ class Stream:
         if self.stats["documents"] != self._progress[0] or (self.sft and self.packer.holds_samples()):
             self._progress = (self.stats["documents"], epochs)
         elif all(e >= e0 + 2 for e, e0 in zip(epochs, self._progress[1])):
-            raise DataError(self._nothing_usable())
+            if all(r.whole for r in self.readers) or self.n_consumers == 1:
+                raise DataError(self._nothing_usable())
+            for r in self.readers:  # this stream's share is unusable (overlong, say): read everything
+                r.read_whole()
+            self._progress = (self.stats["documents"], [r.epoch for r in self.readers])
         return self.docs.pull(n)
 
     def _nothing_usable(self) -> str:
@@ -394,7 +418,8 @@ class Stream:
         for i, (src, reader) in enumerate(zip(self.sources, self.readers)):
             again = SourceReader(
                 src, i, self.opts, self.consumer, self.n_consumers, self.seed,
-                lambda skip, origin: counts.update([skip.reason]), epochs=1, split=reader.split or "train",
+                lambda skip, origin: counts.update([skip.reason]), {"whole": reader.whole, **_START}, epochs=1,
+                split=reader.split or "train",
             )  # fmt: skip
             while seen < RECOUNT_DOCS and (item := again.next()) is not None:
                 chunk.append(item)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import target_mask
+from dstrain.batch import sequence_halo, target_mask
 
 from .attention import (
     AttentionLayout,
@@ -69,6 +70,8 @@ class MLP(nn.Module):
 class MLA(nn.Module):
     """Multi-head latent attention with decoupled rotary keys (one rotary key head shared by all heads)."""
 
+    seq_parallel: Any = None  # see DeepSeekLM
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -108,7 +111,8 @@ class MLA(nn.Module):
         heads = q.shape[2]
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
-        out = attend(q, k, v, self.scale, layout)
+        sp = self.seq_parallel
+        out = sp.attend(q, k, v, self.scale, layout) if sp else attend(q, k, v, self.scale, layout)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -181,6 +185,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    seq_parallel: Any = None  # see DeepSeekLM
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -206,7 +212,10 @@ class MoE(nn.Module):
         load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(
             1, idx.view(b, t * k), torch.ones(b, t * k, device=x.device)
         )
-        f = load_per_row * (e / (k * t))
+        sp = self.seq_parallel
+        # Sequence parallel: f of the whole rows, P of this rank's tokens; the mean over the group of
+        # sum_i f_i * P_i(local) is the rows' loss, and DeepSpeed averages the group's gradients.
+        f = (sp.sum(load_per_row) if sp else load_per_row) * (e / (k * t * (sp.size if sp else 1)))
         normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
         p = normed.view(b, t, e).mean(dim=1)
         aux = (f * p).sum(dim=1).mean()
@@ -305,6 +314,11 @@ def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN
 
 
 class DeepSeekLM(nn.Module):
+    # Sequence parallelism (dstrain.parallel.sp) sets this on the model, its MLA and MoE layers: then each
+    # rank's input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it
+    # (`dstrain.batch.sequence_shard`): the targets of its last positions and MTP's look-ahead inputs.
+    seq_parallel: Any = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -428,8 +442,16 @@ class DeepSeekLM(nn.Module):
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document; labels (B, T) unshifted,
         -100 = not a target. Logits are returned when there are no labels (or when asked)."""
         b, t = input_ids.shape
-        rope, layout = self.rope_and_layout(position_ids, b, t, input_ids.device)
-        h = self.embed_tokens(input_ids)
+        if self.seq_parallel is not None:
+            t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
+            position_ids = (
+                position_ids
+                if position_ids is not None
+                else torch.arange(t + self.halo, device=input_ids.device).expand(b, -1)
+            )
+        local_pos = position_ids[:, :t] if position_ids is not None else None
+        rope, layout = self.rope_and_layout(local_pos, b, t, input_ids.device)
+        h = self.embed_tokens(input_ids[:, :t])
         aux, loads = None, []
         for block in self.layers:
             h, block_aux, load = self.run_block(block, h, rope, layout)
@@ -437,9 +459,11 @@ class DeepSeekLM(nn.Module):
                 aux = block_aux if aux is None else aux + block_aux
                 loads.append(load)
 
-        # Input of MTP depth k at position i is token i+k; the last k positions have none (masked targets).
+        # Input of MTP depth k at position i is token i+k; the last k positions of a row have none (masked
+        # targets).
         def ahead(k: int) -> torch.Tensor:
-            return self.embed_tokens(F.pad(input_ids[:, k:], (0, k)))
+            ids = input_ids[:, k : k + t]
+            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
 
         main_loads = torch.stack(loads) if loads else None
         return self.finish(h, ahead, rope, layout, position_ids, labels, aux, main_loads, return_logits)
@@ -447,9 +471,17 @@ class DeepSeekLM(nn.Module):
     def rope_and_layout(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], AttentionLayout]:
-        layout = attention_layout(position_ids, b, t, device, self.embed_tokens.weight.dtype)
         pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
+        sp = self.seq_parallel
+        whole = sp.gather(pos) if sp else position_ids  # the mask spans whole rows
+        layout = attention_layout(
+            whole, b, t * (sp.size if sp else 1), device, self.embed_tokens.weight.dtype
+        )
         return self._rope(pos), layout
+
+    @property
+    def halo(self) -> int:
+        return sequence_halo(len(self.mtp))
 
     def run_block(
         self, block: Block, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout
@@ -482,9 +514,16 @@ class DeepSeekLM(nn.Module):
         if return_logits or (return_logits is None and labels is None):
             out.logits = self.lm_head(main_hidden)
         run_mtp = labels is not None and len(self.mtp) > 0
+
+        # Position i predicts labels[i + shift]: all t positions when labels run on past them (a sequence-
+        # parallel slice's halo), else the first t - shift.
+        def targets(shift: int) -> int:
+            return min(t, labels.shape[1] - shift)
+
         if labels is not None:
+            n = targets(1)
             out.lm_loss_sum, out.lm_tokens = self._ce_sum(
-                main_hidden[:, :-1], labels[:, 1:], target_mask(labels, position_ids, 1)
+                main_hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
             )
         mtp_loads = []
         if run_mtp:
@@ -497,13 +536,14 @@ class DeepSeekLM(nn.Module):
                     aux = block_aux if aux is None else aux + block_aux
                     mtp_loads.append(load)
                 shift = k + 1
-                if t > shift:
+                n = targets(shift)
+                if n > 0:
                     # Evaluation also counts depth 1's top-1 hits: its draft acceptance.
                     hits = k == 1 and not self.training
                     s, *rest, c = self._ce_sum(
-                        mtp.shared_head_norm(prev)[:, :-shift],
-                        labels[:, shift:],
-                        target_mask(labels, position_ids, shift),
+                        mtp.shared_head_norm(prev)[:, :n],
+                        labels[:, shift : shift + n],
+                        target_mask(labels, position_ids, shift)[:, :n],
                         hits,
                     )
                     if hits:

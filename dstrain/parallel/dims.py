@@ -26,9 +26,12 @@ class ParallelDims:
     """Tensor-parallel ranks (attention heads, dense and shared-expert MLPs split Megatron-style)."""
     ep: int = 1
     """Expert-parallel ranks: routed experts sharded, tokens dispatched by all-to-all. Divides dp."""
+    sp: int = 1
+    """Sequence-parallel ranks: consecutive data-parallel ranks that share one data rank, each holding
+    seq_len / sp tokens of every row (DeepSpeed's view: data parallel). Divides dp."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "ep"):
+        for name in ("pp", "tp", "ep", "sp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} {v}: must be a positive integer")
@@ -40,6 +43,10 @@ class ParallelDims:
             raise ValueError(
                 f"--ep {self.ep} must divide the data-parallel size {self.dp} (world {self.world} / (pp x tp))"
             )
+        if self.dp % self.sp:
+            raise ValueError(
+                f"--sp {self.sp} must divide the data-parallel size {self.dp} (world {self.world} / (pp x tp))"
+            )
 
     @property
     def dp(self) -> int:
@@ -48,6 +55,15 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         return self.dp // self.ep
+
+    @property
+    def data(self) -> int:
+        """Data ranks: ranks reading different rows (sequence-parallel ranks share theirs)."""
+        return self.dp // self.sp
+
+    def data_coords(self, rank: int) -> tuple[int, int]:
+        """-> (data rank, sequence-parallel rank)."""
+        return divmod(self.coords(rank)[1], self.sp)
 
     @property
     def model_parallel(self) -> bool:
@@ -62,7 +78,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"dp {self.dp}"] + [
-            f"{k} {getattr(self, k)}" for k in ("pp", "tp", "ep") if getattr(self, k) > 1
+            f"{k} {getattr(self, k)}" for k in ("pp", "tp", "ep", "sp") if getattr(self, k) > 1
         ]
         return " x ".join(parts)
 
@@ -98,6 +114,12 @@ class ParallelDims:
                 )
             if cfg.tie_word_embeddings:
                 raise ValueError(f"--pp {self.pp}: tie_word_embeddings=true is not supported with pipelining")
+        if self.sp > 1:
+            if self.pp > 1 or self.tp > 1:
+                raise ValueError(f"--sp {self.sp} with --pp/--tp: sequence parallelism combines with data "
+                                 "and expert parallelism only")  # fmt: skip
+            if cfg.num_attention_heads % self.sp:
+                raise ValueError(f"--sp {self.sp} must divide num_attention_heads {cfg.num_attention_heads}")
         if self.tp > 1 and zero_stage == 3:
             raise ValueError(f"--tp {self.tp} with ZeRO-3: tensor parallelism supports ZeRO stage 1-2")
         if self.model_parallel and zero_stage == 0:
@@ -124,13 +146,14 @@ class Groups:
     dp: Any = None
     ep: Any = None
     edp: Any = None
+    sp: Any = None
     ranks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def layout_ranks(dims: ParallelDims) -> dict[str, list[list[int]]]:
     """Every group of every kind, as rank lists (the same on all ranks, as new_group requires)."""
     d = dims
-    out: dict[str, list[list[int]]] = {"tp": [], "dp": [], "ep": [], "edp": []}
+    out: dict[str, list[list[int]]] = {"tp": [], "dp": [], "ep": [], "edp": [], "sp": []}
     for s in range(d.pp):
         for r in range(d.dp):
             out["tp"].append([d.rank_of(s, r, t) for t in range(d.tp)])
@@ -140,6 +163,7 @@ def layout_ranks(dims: ParallelDims) -> dict[str, list[list[int]]]:
             blocks = [dp_ranks[i : i + d.ep] for i in range(0, d.dp, d.ep)]
             out["ep"].extend(blocks)
             out["edp"].extend([list(g) for g in zip(*blocks)])
+            out["sp"].extend(dp_ranks[i : i + d.sp] for i in range(0, d.dp, d.sp))
     return out
 
 

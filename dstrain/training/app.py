@@ -14,7 +14,9 @@ from dstrain import dist
 from dstrain.checkpoint import store
 from dstrain.errors import CheckpointError, UserError
 
+from . import watchdog
 from .ds_config import RESOLVED
+from .memory import device_warning
 from .options import CheckpointOptions, parse_options
 from .plan import prepare
 from .preempt import PREEMPTED_EXIT_CODE
@@ -70,7 +72,8 @@ def run(argv: list[str]) -> int:
     plan = prepare(parse_options(argv))
     opts = plan.opts
     model = opts.model.model
-    info = dist.init_distributed()
+    info = dist.init_distributed(opts.run.collective_timeout)
+    watchdog.arm(opts.run.collective_timeout)
     output_dir = opts.checkpoint.output_dir or dist.broadcast_object(default_output_dir(model))
     resume = dist.agree(lambda: choose_resume(opts.checkpoint, output_dir))
     say = print if info.is_main else (lambda *a, **k: None)
@@ -87,6 +90,8 @@ def run(argv: list[str]) -> int:
         flush=True,
     )
     say(f"dstrain: outputs in {os.path.abspath(output_dir)} (metrics.jsonl, checkpoints/, {RESOLVED})")
+    if info.is_main and (warning := device_warning(plan, info.device, info.local_world_size)):
+        say(warning)
     for note in plan.notes:
         say(f"dstrain: note: {note}")
     if opts.checkpoint.resume == "auto" and resume is None:
@@ -136,5 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             where = "" if everywhere or rank == 0 else f" (rank {rank})"
             print(f"dstrain: error{where}: {exc}", file=sys.stderr, flush=True)
         return getattr(exc, "exit_code", 2)
+    except Exception as exc:
+        if not watchdog.is_peer_failure(exc):
+            raise
+        if debug:
+            traceback.print_exc()
+        return watchdog.report(exc)
     finally:
         dist.shutdown()

@@ -48,6 +48,16 @@ class Built:
 def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
     """The model of `plan` on this rank: the --model preset built fresh, or its folder loaded; LoRA and the
     frozen parts applied; parallelised. `objective`: the loss a pipeline's last stage computes."""
+    built = _build(plan, rank, device, objective)
+    if plan.dims.sp > 1:  # sequence parallelism changes no weight: hooks only, on any of the paths above
+        from dstrain.parallel import build_groups
+        from dstrain.parallel.sp import apply_sequence_parallel
+
+        apply_sequence_parallel(built.model, built.groups or build_groups(plan.dims, rank))
+    return built
+
+
+def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
     cfg, dims, seed = plan.model, plan.dims, plan.opts.run.seed
     model_opts, lora = plan.opts.model, plan.opts.lora
     if not os.path.isdir(model_opts.model):

@@ -196,6 +196,8 @@ def _check_parallelism(
         "pp": (pipe.get("stages", AUTO), "pipeline.stages"),
         "tp": (user.tp, user.tp_key),
         "ep": (user.ep, user.ep_key),
+        # DeepSpeed's Ulysses key, run by dstrain's own (MLA-aware) sequence parallelism
+        "sp": (ds.pop("sequence_parallel_size", AUTO), "sequence_parallel_size"),
     }
     sizes = {}
     for flag, (have, key) in found.items():
@@ -222,7 +224,8 @@ def _check_parallelism(
 def layout_sections(dims: ParallelDims) -> dict[str, Any]:
     """dstrain's own layout sections as a config file gives them: the resolved file holds them beside
     DeepSpeed's, so it can be given back as --config."""
-    return {OWN_SECTION: {"tp_size": dims.tp, "ep_size": dims.ep}}
+    own = {OWN_SECTION: {"tp_size": dims.tp, "ep_size": dims.ep}}
+    return {**own, "sequence_parallel_size": dims.sp} if dims.sp > 1 else own
 
 
 def _resolve_optimizer(

@@ -21,17 +21,16 @@ from dstrain.batch import target_mask
 from dstrain.model import ModelConfig, ModelOutput, combine_losses
 
 
-def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int) -> torch.Tensor:
+def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int, halo: int = 0) -> torch.Tensor:
     """int64 (1 + D,): targets the model counts in this micro batch, [lm, mtp depth 1..D]; the same rule as
-    the model (labels != -100 and no document boundary crossed), so it can be known before the forward."""
+    the model (labels != -100 and no document boundary crossed), so it can be known before the forward.
+    `halo`: the batch is a sequence-parallel slice with that many tokens after its own (batch.sequence_shard)."""
     labels, pos = batch["labels"], batch.get("position_ids")
-    counts = [target_mask(labels, pos, 1).sum()]
-    for k in range(1, mtp_depth + 1):
-        shift = k + 1
-        if labels.shape[1] > shift:
-            counts.append(target_mask(labels, pos, shift).sum())
-        else:
-            counts.append(labels.new_zeros(()))
+    t = labels.shape[1] - halo
+    counts = []
+    for shift in range(1, mtp_depth + 2):
+        n = min(t, labels.shape[1] - shift)
+        counts.append(target_mask(labels, pos, shift)[:, :n].sum() if n > 0 else labels.new_zeros(()))
     return torch.stack(counts).to(torch.int64).cpu()
 
 

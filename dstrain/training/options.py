@@ -84,6 +84,10 @@ class LayoutOptions:
     ep: int | None = None
     """Expert-parallel ranks: routed experts sharded, tokens dispatched by all-to-all; divides the
     data-parallel size (default: the config's expert_parallel.ep_size, else 1). Needs ZeRO-1/2."""
+    sp: int | None = None
+    """Sequence-parallel (Ulysses) ranks: each holds seq_len / sp tokens of every row, attention runs over
+    the whole sequence with heads split by all-to-all. They share one data rank and count as data-parallel
+    ranks for ZeRO (default: the config's sequence_parallel_size, else 1). Not with --pp or --tp."""
     pp_partition: str = "parameters"
     """How blocks are split into pipeline stages: 'parameters' (balanced parameter counts), 'uniform', or the
     first block index of every stage after the first, e.g. '4' or '3,6,9'."""
@@ -264,12 +268,21 @@ class RunOptions:
     time_limit: float | None = None
     """Minutes this job may run: before they are up (room left for a step and a save), write a complete
     checkpoint and exit with code 75, as on SIGTERM/SIGUSR1; continue with --resume auto."""
+    collective_timeout: float = 600.0
+    """Seconds any collective (all-reduce, barrier, broadcast...) may wait for the other ranks: when a rank dies
+    or hangs, the others give up within about this plus 5 s and exit instead of waiting until the allocation
+    ends: with code 76 and a line naming it (on GPUs, torch's NCCL watchdog may abort them first, see README).
+    It must exceed the longest wait of a healthy run (a save or model load other ranks wait for)."""
     local_rank: int = field(default=-1, metadata={"hidden": True})
     """Set by the `deepspeed` launcher; dstrain reads LOCAL_RANK from the environment instead."""
 
     def __post_init__(self) -> None:
         if self.time_limit is not None and self.time_limit <= 0:
             raise ConfigError(f"--time_limit {self.time_limit}: must be > 0 minutes")
+        if not 0 < self.collective_timeout < float("inf"):
+            raise ConfigError(
+                f"--collective_timeout {self.collective_timeout}: must be a positive number of seconds"
+            )
 
 
 # Section name -> its dataclass, in --help order. `data` is the data package's own.

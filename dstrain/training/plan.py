@@ -59,8 +59,9 @@ class RunPlan:
 
     @property
     def global_batch_rows(self) -> int:
-        """Rows per optimizer step over all data-parallel ranks."""
-        return int(self.ds["train_batch_size"])
+        """Rows per optimizer step over all data-parallel ranks (DeepSpeed counts each sequence-parallel
+        rank's slice as a row of its own)."""
+        return int(self.ds["train_batch_size"]) // self.dims.sp
 
     def with_output_dir(self, output_dir: str) -> RunPlan:
         """The plan writing under `output_dir` (DeepSpeed monitors with an "auto" output path go there)."""
@@ -116,6 +117,10 @@ def prepare(opts: Options, world: int | None = None, model: ModelConfig | None =
         dims.validate(cfg, stage, offload=offload)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if dims.sp > 1 and opts.data.seq_len % dims.sp:
+        raise ConfigError(f"--sp {dims.sp} must divide --seq_len {opts.data.seq_len}")
+    if dims.sp > 1 and opts.model.compile:
+        raise ConfigError(f"--sp {dims.sp} with --compile: not supported yet (run eager)")
     if opts.lora.lora_r and dims.tp > 1:
         raise ConfigError(
             f"--lora_r {opts.lora.lora_r} with --tp {dims.tp}: LoRA under tensor parallelism is not supported"

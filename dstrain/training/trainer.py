@@ -16,12 +16,14 @@ import torch
 import torch.distributed as tdist
 
 from dstrain import dist
+from dstrain.batch import sequence_halo, sequence_shard
 from dstrain.checkpoint import store
+from dstrain.checkpoint.reshard import optimizer_progress
 from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses, flops_per_token
 
-from . import objective
+from . import objective, watchdog
 from .build import build_for_training
 from .evaluate import Evaluator, local_batches
 from .metrics import Display, MetricsSink, Profiler, device_peak_tflops
@@ -81,7 +83,8 @@ class Trainer:
         self.eval_history: list[dict[str, Any]] = []
         self.step_load: torch.Tensor | None = None  # the last step's global expert loads (MoE layers, E)
         self.ga = plan.opts.layout.gradient_accumulation_steps
-        _, self.dp_rank, self.tp_rank = self.dims.coords(info.rank)
+        _, _, self.tp_rank = self.dims.coords(info.rank)
+        self.data_rank, self.sp_rank = self.dims.data_coords(info.rank)  # sequence-parallel ranks share data
         self.groups: Any = None
         self.load_stats: dict[str, Any] = {}
         self.pipe = self.dims.pp > 1
@@ -103,7 +106,9 @@ class Trainer:
             self.eval_rows = build_eval_rows(opts.data, self._tokenizer())
         if self.eval_rows is not None:
             micro = opts.layout.micro_batch_size
-            batches = local_batches(self.eval_rows, micro, self.dp_rank, self.dims.dp)
+            batches = [
+                self._shard(b) for b in local_batches(self.eval_rows, micro, self.data_rank, self.dims.data)
+            ]
             weight = 1.0 if self.tp_rank == 0 else 0.0
             self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, weight)
         seed_everything(opts.run.seed, self.info.rank)
@@ -160,16 +165,30 @@ class Trainer:
             self.opts.data,
             self._tokenizer(),
             self.opts.layout.micro_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world=self.dims.dp,
+            dp_rank=self.data_rank,
+            dp_world=self.dims.data,
             seed=self.opts.run.seed,
         )
+
+    def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's sequence-parallel slice of a batch (the batch itself without --sp)."""
+        if self.dims.sp == 1:
+            return batch
+        return sequence_shard(batch, self.sp_rank, self.dims.sp, sequence_halo(self.mtp_depth))
+
+    def layout(self) -> dict[str, Any]:
+        """What DeepSpeed's per-rank checkpoint files and the ranks' data streams depend on: resuming with
+        another one re-shards."""
+        d = self.dims
+        return {"world": d.world, "pp": d.pp, "tp": d.tp, "ep": d.ep, "sp": d.sp, "dp": d.dp,
+                "stage": self.plan.stage, "precision": self.plan.precision}  # fmt: skip
 
     def _resume(self, path: str) -> None:
         from pathlib import Path
 
-        state = store.load(self.engine, Path(path), self.info.rank, self.info.world_size)
-        if self.dims.model_parallel:
+        state = store.load(self.engine, Path(path), self.info.rank, self.layout(), self.model)
+        resharded = state.get("resharded")
+        if self.dims.model_parallel and not resharded:
             from dstrain.checkpoint.weights import load_local_weights
 
             load_local_weights(self.model, Path(path))
@@ -177,12 +196,26 @@ class Trainer:
         self.tokens = int(state["tokens"])
         self.target_tokens = int(state["target_tokens"])
         self.wandb_run_id = state.get("wandb_run_id")
-        if state.get("loader") is not None and hasattr(self.loader, "load_state_dict"):
-            self.loader.load_state_dict(state["loader"])
-        store.set_rng_state(state["rng"])
+        if hasattr(self.loader, "load_state_dict"):
+            if resharded:
+                from dstrain.data import merge_states
+
+                saved = [s for s in state["loaders"] if s is not None]
+                if saved:
+                    self.loader.load_state_dict(merge_states(saved))
+            elif state.get("loader") is not None:
+                self.loader.load_state_dict(state["loader"])
+        if "rng" in state:  # a rank the saving run did not have keeps its fresh seed
+            store.set_rng_state(state["rng"])
         if self.engine.global_steps != self.step:
             raise CheckpointError(
                 f"checkpoint {path}: DeepSpeed is at step {self.engine.global_steps}, dstrain at {self.step}"
+            )
+        if resharded and self.verbose:
+            print(
+                f"dstrain: resumed step {self.step} of {path} on another layout: saved {_layout_str(resharded)}, "
+                f"now {_layout_str(self.layout())} (weights, AdamW moments, schedule and data position re-sharded)",
+                flush=True,
             )
 
     # ------------------------------------------------------------------ one optimizer step
@@ -191,7 +224,10 @@ class Trainer:
         t0 = time.perf_counter()
         dev = self.info.device
         batches = [next(self.loader) for _ in range(self.ga)]
-        local_counts = torch.stack([count_targets(b, self.mtp_depth) for b in batches]).sum(0)
+        seq_len = int(batches[0]["input_ids"].shape[1])
+        batches = [self._shard(b) for b in batches]
+        halo = sequence_halo(self.mtp_depth) if self.dims.sp > 1 else 0
+        local_counts = torch.stack([count_targets(b, self.mtp_depth, halo) for b in batches]).sum(0)
         n_global = self._dp_sum(local_counts.to(dev, torch.float64)).to(torch.float32)
         lr = float(self.engine.get_lr()[0])
         # Ranks holding a copy of another's numbers (tensor-parallel peers) count them with weight 0.
@@ -224,7 +260,6 @@ class Trainer:
         mtp_loss = float((g_mtp / n[1:]).mean()) if self.mtp_depth else None
         aux_loss = float(g_aux / self.scale)
         total = combine_losses(lm_loss, mtp_loss, aux_loss, self.weights.alpha, self.weights.lam)
-        seq_len = int(batches[0]["input_ids"].shape[1])
         step_tokens = self.plan.global_batch_rows * seq_len
         step_time = time.perf_counter() - t0
         self.step = step
@@ -339,6 +374,8 @@ class Trainer:
             "target_tokens": self.target_tokens,
             "rank": self.info.rank,
             "world_size": self.info.world_size,
+            "layout": self.layout(),
+            "progress": optimizer_progress(self.engine),
             "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
             "rng": store.rng_state(),
             "wandb_run_id": self.wandb_run_id,
@@ -404,6 +441,7 @@ class Trainer:
             recent: deque[float] = deque(maxlen=20)
             fpt_cache: dict[int, float] = {}
             while self.step < end:
+                watchdog.heartbeat(self.step)
                 if window and profiler is None and window[0] <= self.step + 1 <= window[1]:
                     profiler = Profiler(info.device)
                 rec = self.train_step()
@@ -488,6 +526,14 @@ def _eval_line(rec: dict[str, Any]) -> str:
         f"eval step {rec['step']}: loss {rec['eval_loss']:.4f}, ppl {rec['eval_ppl']:.2f}{mtp} "
         f"({rec['eval_tokens']} tokens, {rec['eval_time_s']:.1f} s)"
     )
+
+
+def _layout_str(layout: dict[str, Any]) -> str:
+    """`2 ranks (dp2, ZeRO-1, fp32)`: the layout's non-trivial parts."""
+    if "dp" not in layout:
+        return f"{layout['world']} ranks"
+    parts = [f"{k}{layout[k]}" for k in ("pp", "tp", "ep", "sp", "dp") if layout.get(k, 1) > 1 or k == "dp"]
+    return f"{layout['world']} rank(s) ({', '.join(parts)}, ZeRO-{layout['stage']}, {layout['precision']})"
 
 
 def seed_everything(seed: int, rank: int) -> None:

@@ -1,6 +1,7 @@
 """Bad input: a one-line DataError naming what is wrong and where, or a counted skip; never a hang or a
 silent empty run."""
 
+import dataclasses
 import json
 
 import pytest
@@ -22,8 +23,8 @@ def one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def run_epoch(opts, tok):
-    """Stats after the loader has read its whole source once."""
-    loader = build_loader(opts, tok, 2)
+    """Stats after the loader has read its whole source once (one data stream)."""
+    loader = build_loader(dataclasses.replace(opts, data_streams=1), tok, 2)
     for _ in range(100):
         next(loader)
         if loader.epoch >= 1:
@@ -86,11 +87,12 @@ def test_empty_and_missing_sources(tmp_path, tok):
         build_loader(DataOptions(data=str(tmp_path / "missing.parquet")), tok, 1)
 
 
-def test_fewer_records_than_ranks_is_an_error_not_an_empty_run(tmp_path, tok):
+def test_fewer_records_than_streams_train_on_what_there_is(tmp_path, tok):
+    # 8 streams, 1 record: every stream falls back to the whole source instead of failing or spinning
     path = write_jsonl(tmp_path / "d.jsonl", text_rows(1))
     loader = build_loader(DataOptions(data=path, seq_len=16, num_workers=0), tok, 1, dp_rank=1, dp_world=2)
-    with pytest.raises(DataError, match="fewer records than consumers"):
-        next(loader)
+    assert loader.streams == 8
+    assert "doc0" in tok.decode(next(loader)["input_ids"][0].tolist())
 
 
 @pytest.mark.parametrize("suffix", ["txt", "jsonl"])
@@ -118,7 +120,7 @@ def test_chat_without_assistant_turn(tmp_path, tok):
     stats = run_epoch(DataOptions(data=path, seq_len=256, pack_buffer=8, num_workers=0), tok)
     assert stats["skipped_no_assistant"] >= 1
     loader = build_loader(
-        DataOptions(data=path, seq_len=256, strict=True, shuffle=False, num_workers=0), tok, 1
+        DataOptions(data=path, seq_len=256, strict=True, shuffle=False, num_workers=0, data_streams=1), tok, 1
     )
     with pytest.raises(DataError) as e:
         next(loader)

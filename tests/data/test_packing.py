@@ -23,7 +23,7 @@ def segments(pos: torch.Tensor) -> list[tuple[int, int]]:
 def test_pretraining_rows_concatenate_documents_exactly(tmp_path, tok):
     rows = text_rows(30)
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    opts = DataOptions(data=path, seq_len=64, shuffle=False, num_workers=0)
+    opts = DataOptions(data=path, data_streams=1, seq_len=64, shuffle=False, num_workers=0)
     loader = build_loader(opts, tok, 2)
     eos = tok.eos_token_id
     expected = []
@@ -53,7 +53,9 @@ def test_pretraining_rows_concatenate_documents_exactly(tmp_path, tok):
 def test_document_split_across_rows_restarts_positions(tmp_path, tok):
     long_doc = {"text": "x" * 150}
     path = write_jsonl(tmp_path / "d.jsonl", [long_doc, {"text": "short one"}])
-    loader = build_loader(DataOptions(data=path, seq_len=64, shuffle=False, num_workers=0), tok, 3)
+    loader = build_loader(
+        DataOptions(data=path, data_streams=1, seq_len=64, shuffle=False, num_workers=0), tok, 3
+    )
     batch = next(loader)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     assert torch.equal(pos[0], torch.arange(64)) and torch.equal(pos[1], torch.arange(64))
@@ -66,7 +68,7 @@ def test_document_split_across_rows_restarts_positions(tmp_path, tok):
 
 def test_packing_off_pads_with_own_position_run(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "defgh"}])
-    opts = DataOptions(data=path, seq_len=16, shuffle=False, packing=False, num_workers=0)
+    opts = DataOptions(data=path, data_streams=1, seq_len=16, shuffle=False, packing=False, num_workers=0)
     batch = next(build_loader(opts, tok, 2))
     pad = tok.pad_token_id
     for row, n in zip(range(2), (4, 6)):  # text + EOS
@@ -94,7 +96,9 @@ def test_best_fit_decreasing_places_every_item_once_within_capacity():
 def test_sft_rows_hold_whole_samples_and_fill_99_percent(tmp_path, tok):
     rows = varied_chats(200)
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    opts = DataOptions(data=path, seq_len=512, num_workers=0, pack_buffer=200, shuffle_buffer=50)
+    opts = DataOptions(
+        data=path, data_streams=1, seq_len=512, num_workers=0, pack_buffer=200, shuffle_buffer=50
+    )
     loader = build_loader(opts, tok, 4, seed=5)
     from dstrain.data.chat import ChatEncoder
 
@@ -133,7 +137,13 @@ def test_overlong_sft_samples_dropped_or_truncated_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     for policy in ("drop", "truncate"):
         opts = DataOptions(
-            data=path, seq_len=128, overlong=policy, shuffle=False, num_workers=0, pack_buffer=25
+            data=path,
+            seq_len=128,
+            overlong=policy,
+            shuffle=False,
+            num_workers=0,
+            pack_buffer=25,
+            data_streams=1,
         )
         loader = build_loader(opts, tok, 2)
         batch = next(loader)
@@ -155,7 +165,11 @@ def test_overlong_sft_samples_dropped_or_truncated_and_counted(tmp_path, tok):
 def test_bos_option_and_special_token_strings_in_raw_text(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a</s>b"}, {"text": "cd"}])
     batch = next(
-        build_loader(DataOptions(data=path, seq_len=12, add_bos=True, shuffle=False, num_workers=0), tok, 1)
+        build_loader(
+            DataOptions(data=path, data_streams=1, seq_len=12, add_bos=True, shuffle=False, num_workers=0),
+            tok,
+            1,
+        )
     )
     bos, eos = tok.bos_token_id, tok.eos_token_id
     ids = batch["input_ids"][0].tolist()

@@ -1,11 +1,12 @@
 """Exact resume: after load_state_dict the loader yields exactly the batches the uninterrupted run would."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from dstrain.data import DataError, DataOptions, build_loader
+from dstrain.data import DataError, DataOptions, build_loader, merge_states
 from tests.conftest import byte_tokenizer
 from tests.data.conftest import chat_rows, text_rows, write_jsonl, write_parquet
 
@@ -102,14 +103,46 @@ def test_workers_0_and_1_give_the_same_batches(tmp_path, tok):
     assert same(*batches)
 
 
-def test_state_from_another_layout_is_rejected(tmp_path, tok):
+def _global_rows(opts, tok, dp: int, n: int, states: list | None = None) -> tuple[list, list]:
+    """`n` global rows as `dp` ranks of micro batch 1 read them (rank r has rows r, r + dp, ...), and the
+    ranks' states after; `states`: resume every rank from these (another layout's ranks' states)."""
+    loaders = [build_loader(opts, tok, 1, dp_rank=r, dp_world=dp, seed=4) for r in range(dp)]
+    if states is not None:
+        for ld in loaders:
+            ld.load_state_dict(merge_states(states))
+    rows = [next(loaders[g % dp]) for g in range(n)]
+    out = [ld.state_dict() for ld in loaders]
+    for ld in loaders:
+        ld.close()
+    return rows, out
+
+
+def test_global_rows_do_not_depend_on_ranks_or_workers_and_resume_on_other_counts(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", text_rows(40))
+    opts = DataOptions(data=path, seq_len=48, shuffle_buffer=5, num_workers=0)
+    want, _ = _global_rows(opts, tok, 1, 48)  # one process: the global order
+    assert same(_global_rows(opts, tok, 2, 48)[0], want)
+    assert same(_global_rows(dataclasses.replace(opts, num_workers=2), tok, 4, 48)[0], want)
+    # 2 ranks read 24 rows, then 1, 2 or 4 ranks (with workers) continue: the uninterrupted rows, none twice
+    first, states = _global_rows(opts, tok, 2, 24)
+    for dp, workers in ((1, 0), (4, 0), (2, 2)):
+        rest, _ = _global_rows(dataclasses.replace(opts, num_workers=workers), tok, dp, 24, states)
+        assert same(first + rest, want), (dp, workers)
+
+
+def test_state_that_cannot_continue_is_rejected_in_one_line(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", text_rows(10))
     opts = DataOptions(data=path, seq_len=32, num_workers=0)
-    loader = build_loader(opts, tok, 2, dp_rank=0, dp_world=2)
-    next(loader)
-    state = loader.state_dict()
-    other = build_loader(opts, tok, 2, dp_rank=0, dp_world=1)
-    with pytest.raises(DataError, match="dp_world=2"):
-        other.load_state_dict(state)
+    _, states = _global_rows(opts, tok, 2, 2)
+    other = build_loader(dataclasses.replace(opts, seq_len=64), tok, 2, seed=4)
+    with pytest.raises(DataError, match="seq_len=32"):
+        other.load_state_dict(merge_states(states))
+    three = build_loader(opts, tok, 1, dp_rank=0, dp_world=3, seed=4)
+    with pytest.raises(DataError, match="8 data streams cannot be shared by 3 data-parallel rank"):
+        three.load_state_dict(merge_states(states))
+    with pytest.raises(DataError, match=r"lacks stream\(s\) \[1, 3, 5, 7\]"):
+        build_loader(opts, tok, 1, seed=4).load_state_dict(states[0])
     with pytest.raises(DataError, match="not a dstrain loader state"):
         other.load_state_dict({"epoch": 3})
+    with pytest.raises(DataError, match="8 data streams cannot be shared by 3"):
+        build_loader(dataclasses.replace(opts, data_streams=8), tok, 1, dp_rank=0, dp_world=3)

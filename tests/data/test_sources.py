@@ -105,7 +105,7 @@ def test_format_detection(tmp_path):
 
 
 def test_builtin_shakespeare_is_the_default(tok):
-    opts = DataOptions(seq_len=128, shuffle=False, num_workers=0)
+    opts = DataOptions(seq_len=128, shuffle=False, num_workers=0, data_streams=1)
     assert opts.data == "shakespeare"
     [src] = resolve_sources(opts)
     assert src.files[0][0].endswith("dstrain/data/builtin/tinyshakespeare.txt")

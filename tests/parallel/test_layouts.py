@@ -1,5 +1,5 @@
 """Every parallel layout trains exactly like one process: pipeline (PP), tensor (TP) and expert (EP)
-parallelism alone on 2 ranks and combined with data parallelism / each other on 4, 5 steps in fp32 with
+parallelism alone on 2 ranks and combined with data parallelism / each other on 4, 8 steps in fp32 with
 gradient clipping binding, against a plain PyTorch run of the same global batches. Compared: per-step loss
 (MoE aux and MTP included), the logged global grad norm, and every final weight (read back from the
 checkpoint's reassembled `weights/`), plus exact resume in the same layout, and the eval figures of the final weights (loss, MTP loss, MTP draft
@@ -14,12 +14,13 @@ import re
 import pytest
 
 from tests.conftest import launch, tiny_config
-from tests.parallel.worker import GLOBAL_ROWS, STEPS, common
+from tests.parallel.worker import DATA, GLOBAL_ROWS, RESHARD, STEPS, common
 from tests.training.support import make_options, reference_run
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
 TWO = ["dp2_z1", "dp2_z2", "dp2_z3", "pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
+TWO += ["sp2_z1", "sp2_z2", "sp2_z3", "sp2_ep2"]  # sequence parallel: each rank half of every row
 FOUR = ["dp4_z1", "pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
 
 
@@ -31,8 +32,9 @@ def reference():
     return hist, state
 
 
-def _launch(tmp, nproc: int, layouts: list[str]):
-    proc = launch(["-m", "tests.parallel.worker", str(tmp), *layouts], nproc=nproc, timeout=900)
+def _launch(tmp, nproc: int, layouts: list[str], src=None):
+    args = ["--from", str(src)] if src is not None else []
+    proc = launch(["-m", "tests.parallel.worker", str(tmp), *args, *layouts], nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: json.loads((tmp / f"{name}.json").read_text()) for name in layouts}
 
@@ -104,7 +106,7 @@ def test_four_rank_layouts_match_one_process(four_rank, reference, name):
     print(name, dev)
 
 
-@pytest.mark.parametrize("name", ["pp2", "tp2", "dp2_z1"])
+@pytest.mark.parametrize("name", ["pp2", "tp2", "dp2_z1", "sp2_z1"])
 def test_tokens_per_s_and_mfu_count_each_token_once(two_rank, name):
     """tokens/s is the global batch's tokens over the step time, whatever the layout (PP and TP ranks work on
     the same tokens: counting them per rank overstated tokens/s and MFU by pp x tp); MFU divides the step's
@@ -132,3 +134,41 @@ def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name,
     assert export_main([str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32", "--verify"]) == 0
     found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
     assert found and float(found.group(1)) <= 1e-5, found
+
+
+@pytest.fixture(scope="module")
+def resharded(two_rank, tmp_path_factory):
+    """The 2-rank layouts' step-3 checkpoints continued on 1, 2 and 4 ranks in other layouts, and the
+    real-data runs (2 ranks first: the 1-rank launch continues one of them)."""
+    tmp, res = tmp_path_factory.mktemp("reshard"), {}
+    for nproc in (2, 1, 4):
+        runs = [f"{target}@{source}" for target, source in RESHARD[nproc]] + DATA.get(nproc, [])
+        res.update(_launch(tmp, nproc, runs, src=two_rank[0]))
+    return res
+
+
+@pytest.mark.parametrize("run", [f"{t}@{s}" for n in (1, 2, 4) for t, s in RESHARD[n]])
+def test_resume_on_another_layout(two_rank, resharded, reference, run):
+    """A checkpoint of one layout continues on another (world size, ZeRO stage, PP/TP/EP degree): the 5
+    resumed steps' losses and grad norms are the uninterrupted run's (the source layout's own, and one
+    process's) within 1e-5."""
+    source = run.split("@")[1]
+    got = resharded[run]
+    assert [h["step"] for h in got] == list(range(4, STEPS + 1))
+    dev = {}
+    for label, want in (("source", two_rank[1][source]["history"][3:]), ("one process", reference[0][3:])):
+        for key in ("loss", "grad_norm"):
+            dev[f"{label} {key}"] = max(_rel(g[key], w[key]) for g, w in zip(got, want, strict=True))
+    print(run, {k: f"{v:.1e}" for k, v in dev.items()})
+    assert max(dev.values()) <= 1e-5, dev
+
+
+def test_real_data_rows_do_not_depend_on_rank_count(resharded):
+    """Through the data package's loader: 1 rank with GA 4 logs 2 ranks' (GA 2) losses from the start, and
+    continues the 2-rank run's step-3 checkpoint (data position re-sharded) with its losses."""
+    one, two, cont = resharded["data_dp1"], resharded["data_dp2"], resharded["data_dp1@data_dp2"]
+    dev_start = max(_rel(a["loss"], b["loss"]) for a, b in zip(one, two, strict=True))
+    dev_resume = max(_rel(a["loss"], b["loss"]) for a, b in zip(cont, two[3:], strict=True))
+    print(f"1 rank GA4 vs 2 ranks GA2 {dev_start:.1e}; 2 -> 1 rank resume {dev_resume:.1e}")
+    assert len(one) == 6 and [h["step"] for h in cont] == [4, 5, 6]
+    assert dev_start <= 1e-5 and dev_resume <= 1e-5

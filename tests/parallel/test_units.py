@@ -29,6 +29,7 @@ def _resolve(flags: str, world: int, config: str = "zero1"):  # noqa: ANN202 - a
         (dict(world=6, tp=4), "world size 6 is not divisible by --pp 1 x --tp 4 = 4"),
         (dict(world=4, pp=2, ep=4), "--ep 4 must divide the data-parallel size 2"),
         (dict(world=0, pp=0), "--pp 0: must be a positive integer"),
+        (dict(world=2, sp=4), "--sp 4 must divide the data-parallel size 2"),
     ],
 )
 def test_sizes_that_cannot_tile_the_world(dims, message):
@@ -50,6 +51,9 @@ def test_sizes_that_cannot_tile_the_world(dims, message):
         (dict(tp=2), 0, {}, "dp 4 x tp 2 with ZeRO-0"),
         (dict(pp=2), 1, {"tie_word_embeddings": True}, "--pp 2: tie_word_embeddings=true"),
         (dict(tp=2), 1, {"intermediate_size": 63}, "--tp 2 must divide intermediate_size 63"),
+        (dict(sp=4), 1, {}, "--sp 4 must divide num_attention_heads 2"),
+        (dict(sp=2, tp=2), 1, {}, "--sp 2 with --pp/--tp: sequence parallelism combines with data"),
+        (dict(sp=2, pp=2), 1, {}, "--sp 2 with --pp/--tp"),
     ],
 )
 def test_layouts_the_model_or_zero_stage_cannot_take(dims, stage, cfg, message):
@@ -158,6 +162,21 @@ def test_deepspeed_automatic_paths_are_refused(tmp_path, section, message):
     with pytest.raises(ConfigError) as err:
         _resolve("", 4, config=str(path))
     assert str(err.value).startswith(message)
+
+
+def test_sequence_parallel_settings_refused_before_anything_is_built(tmp_path):
+    base = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    config = tmp_path / "sp.json"
+    config.write_text(json.dumps({**base, "sequence_parallel_size": 2}))
+    with pytest.raises(ConfigError, match=r"^--sp 2 must divide --seq_len 31$"):
+        _resolve("--sp 2 --seq_len 31", 2)
+    with pytest.raises(ConfigError, match=r"^--sp 2 with --compile"):
+        _resolve("--sp 2 --compile", 2)
+    with pytest.raises(ConfigError, match=r"^ds_config sequence_parallel_size=2 conflicts with --sp 1$"):
+        _resolve("--sp 1", 2, config=str(config))
+    plan = _resolve("--micro_batch_size 2", 4, config=str(config))
+    assert (plan.dims.sp, plan.dims.data, plan.global_batch_rows) == (2, 2, 4)
+    assert "sequence_parallel_size" not in plan.ds  # dstrain's Ulysses, not DeepSpeed's
 
 
 def test_cli_refuses_a_bad_layout_before_starting():

@@ -1,5 +1,5 @@
 """Multi-rank worker for tests/parallel/test_layouts.py: `python -m torch.distributed.run --nproc_per_node N
--m tests.parallel.worker OUT LAYOUT [LAYOUT ...]` (from the repository root) trains each layout 5 steps on the same global batches
+-m tests.parallel.worker OUT LAYOUT [LAYOUT ...]` (from the repository root) trains each layout 8 steps on the same global batches
 (4 rows/step), saves at step 3 and 5, resumes from 3 in the same layout, evaluates at the end of both runs
 (support.eval_rows), and writes OUT/LAYOUT.json.
 
@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 from tests.training.support import eval_rows, make_options, make_trainer
 
 GLOBAL_ROWS = 4
-STEPS = 5
+STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
     "tp2": "--config zero1 --tp 2",
@@ -33,7 +33,28 @@ LAYOUTS = {  # name -> flags
     "ep2dp2": "--config zero2 --ep 2",
     "pp2tp2": "--config zero1 --pp 2 --tp 2",
     "dp4_z1": "--config zero1",
+    "sp2_z1": "--config zero1 --sp 2",
+    "sp2_z2": "--config zero2 --sp 2",
+    "sp2_z3": "--config zero3 --sp 2",
+    "sp2_ep2": "--config zero2 --sp 2 --ep 2",
+    # targets of resumes on another layout (test_layouts.py::test_resume_on_another_layout)
+    "dp1_z1": "--config zero1",
+    "dp1_z2": "--config zero2",
+    "dp1_z3": "--config zero3",
+    "dp1_z0": "--config {out}/zero0.json",  # no ZeRO: torch's AdamW holds the moments itself
+    "dp4_z2": "--config zero2",
+    "dp4_z3": "--config zero3",
 }
+# ranks -> (target layout, source layout whose step-3 checkpoint it continues)
+RESHARD = {
+    1: [("dp1_z1", "dp2_z1"), ("dp1_z2", "dp2_z2"), ("dp1_z3", "dp2_z3"), ("dp1_z1", "ep2_z1")]
+    + [("dp1_z1", "pp2"), ("dp1_z1", "tp2"), ("dp1_z0", "dp2_z3")],
+    2: [("ep2_z2", "dp2_z2"), ("dp2_z1", "pp2"), ("pp2", "dp2_z1"), ("tp2", "dp2_z1"), ("sp2_z1", "dp2_z1")],
+    4: [("dp4_z1", "dp2_z1"), ("dp4_z2", "dp2_z2"), ("dp4_z3", "dp2_z3")],
+}
+# Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
+# from the start, and 1 rank continuing the 2-rank run's step-3 checkpoint.
+DATA = {1: ["data_dp1", "data_dp1@data_dp2"], 2: ["data_dp2"]}
 
 
 def common(dp: int) -> str:
@@ -74,7 +95,7 @@ def trainer(
     from dstrain.training.plan import prepare
     from tests.conftest import tiny_config
 
-    dp = prepare(make_options(flags.split()), info.world_size, model=tiny_config()).dims.dp
+    dp = prepare(make_options(flags.split()), info.world_size, model=tiny_config()).dims.data
     opts = make_options(f"{flags} {common(dp)} {extra}".split())
     return make_trainer(opts, out_dir, info, resume=resume, eval_rows=eval_rows() if evaluate else None)
 
@@ -111,6 +132,43 @@ def main(out: str, layouts: list[str]) -> None:
                 "eval_resumed": tr.eval_history,
             }
             Path(f"{base}.json").write_text(json.dumps(res))
+        dist.barrier()
+
+
+def reshard_main(out: str, src: str, runs: list[str]) -> None:
+    """Each `TARGET@SOURCE`: resume SOURCE's step-3 checkpoint (under `src`) in layout TARGET to the end.
+    `data_*` runs train on text through the data package's loader (GlobalRows elsewhere), GA 4 / ranks; with
+    `@SOURCE`, resuming that run's step 3 (under `out`)."""
+    from dstrain import dist
+    from tests.conftest import byte_tokenizer, tiny_config
+    from tests.training.support import make_options, make_trainer
+
+    info = dist.init_distributed()
+    Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    for run in runs:
+        target, _, source = run.partition("@")
+        if target.startswith("data_"):
+            flags = (
+                f"--config zero1 --data shakespeare --num_workers 0 --micro_batch_size 1 "
+                f"--gradient_accumulation_steps {4 // info.world_size} --max_steps 6 --save_every 3 "
+                "--keep_last 0 --precision fp32 --adam_eps 1e-6 --clip_grad 0.5 --seed 5"
+            )
+            resume = f"{out}/{source}/checkpoints/step_00000003" if source else None
+            tr = make_trainer(
+                make_options(flags.split()),
+                f"{out}/{run}",
+                info,
+                cfg=tiny_config(vocab_size=272),  # the byte tokenizer's specials too
+                resume=resume,
+                tokenizer=byte_tokenizer(),
+            )
+        else:
+            resume = f"{src}/{source}/straight/checkpoints/step_00000003"
+            tr = trainer(LAYOUTS[target].format(out=out), f"{out}/{run}", info, resume=resume)
+        tr.run()
+        if info.rank == 0:
+            hist = [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.history]
+            Path(f"{out}/{run}.json").write_text(json.dumps(hist))
         dist.barrier()
 
 
@@ -169,6 +227,8 @@ if __name__ == "__main__":
     try:
         if sys.argv[2] == "--hf":
             finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
+        elif sys.argv[2] == "--from":
+            reshard_main(sys.argv[1], sys.argv[3], sys.argv[4:])
         else:
             main(sys.argv[1], sys.argv[2:])
     finally:

@@ -49,11 +49,12 @@ class GlobalRows:
         self.pulled += 1
         return stack([global_row(start + j, same_token=self.same_token) for j in range(self.micro)])
 
-    def state_dict(self) -> dict[str, int]:
-        return {"pulled": self.pulled}
+    def state_dict(self) -> dict:
+        # the data package's form: a global position (re-shardable over another rank count), no streams
+        return {"global_rows": self.pulled * self.micro * self.world, "stream_states": {}}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pulled = int(state["pulled"])
+    def load_state_dict(self, state: dict) -> None:
+        self.pulled = int(state["global_rows"]) // (self.micro * self.world)
 
 
 def eval_rows(n: int = 5) -> dict[str, torch.Tensor]:
@@ -93,10 +94,12 @@ def make_trainer(
     loader: Any = None,
     resume: str | None = None,
     eval_rows: dict[str, torch.Tensor] | None = None,
+    tokenizer: Any = None,
 ):  # noqa: ANN202
     """A set-up Trainer the way `dstrain train` makes one: the plan for this world (model `cfg`, default the
     tiny test model; with `--model FOLDER` in `opts`, the folder's), the resume rule, and a GlobalRows
-    loader over this rank's data-parallel share unless `loader` is given."""
+    loader over this rank's data-parallel share unless `loader` is given (or a `tokenizer`: the Trainer's
+    own loader of --data)."""
     from dstrain.training.app import choose_resume
     from dstrain.training.plan import prepare
     from dstrain.training.trainer import Trainer
@@ -106,13 +109,15 @@ def make_trainer(
     plan = plan.with_output_dir(out_dir)
     if resume is None:
         resume = choose_resume(opts.checkpoint, out_dir)
-    if loader is None:
-        _, dp_rank, _ = plan.dims.coords(info.rank)
+    if loader is None and tokenizer is None:
+        data_rank, _ = plan.dims.data_coords(info.rank)
         layout = plan.opts.layout  # with what the DeepSpeed file set
         loader = GlobalRows(
-            layout.micro_batch_size, layout.gradient_accumulation_steps, dp_rank, plan.dims.dp
+            layout.micro_batch_size, layout.gradient_accumulation_steps, data_rank, plan.dims.data
         )
-    tr = Trainer(plan, info, loader=loader, eval_rows=eval_rows, resume_path=resume, verbose=False)
+    tr = Trainer(
+        plan, info, loader=loader, tokenizer=tokenizer, eval_rows=eval_rows, resume_path=resume, verbose=False
+    )
     tr.setup()
     return tr
 

@@ -90,4 +90,5 @@ def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path):
         )
         for r in (0, 1)
     ]
-    assert [(s["loader"]["dp_rank"], s["loader"]["dp_world"]) for s in states] == [(0, 2), (1, 2)]
+    # data shards are disjoint: each rank holds its own data streams (0, 2, 4, 6 and 1, 3, 5, 7)
+    assert [sorted(map(int, s["loader"]["stream_states"])) for s in states] == [[0, 2, 4, 6], [1, 3, 5, 7]]

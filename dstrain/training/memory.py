@@ -1,0 +1,532 @@
+"""Predicted peak memory per rank of a training run, from its resolved plan alone (nothing is allocated).
+
+What is predicted is the peak of live tensor bytes on one rank's device — `torch.cuda.max_memory_allocated`
+on a GPU, `memtrack.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
+context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from what the code holds:
+
+- Parameters: the rank's pipeline stage (DeepSpeed's own partitioning of [embedding, blocks..., head +
+  MTP]), its tensor-parallel slices (`parallel/tp.py`) and expert-parallel share of the routed experts;
+  ZeRO-3 divides them by the data-parallel size, except parameters under its persistence threshold.
+- Optimizer states: DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition (even in fp32)
+  and AdamW's two fp32 moments; routed experts are partitioned over the expert-data-parallel group.
+  Offloaded states (and ZeRO-3 offloaded parameters) are host memory, reported apart.
+- Gradients: ZeRO-2 (and ZeRO-1 with `overlap_comm`) copy them into `reduce_bucket_size`-element buckets
+  (two with `overlap_comm`) and keep this rank's partition once the first bucket is reduced; ZeRO-0/1
+  without `overlap_comm` and pipeline stages keep every gradient to the end of backward; ZeRO-3 keeps a flat
+  partition and one bucket all along. A layer's own gradients exist whole while its backward runs.
+- Activations, from what each op saves for backward (`dstrain/model`; tested against autograd's saved
+  tensors): RMSNorm its input in fp32 and x·rsqrt(...); MLA the normed inputs and latents, SDPA's q, k, v,
+  output and log-sum-exp; the router fp32 scores and routing indices; the routed experts' Function only the
+  (tokens·k, 2I) pre-activation and permutation (`experts.py`), under expert parallelism also the rows
+  received and the fp32 combine input (`parallel/ep.py`); SwiGLU MLPs four (tokens, I) tensors; each
+  cross-entropy through the head (main and MTP) d input and a head-sized d weight (`loss.py`). Activation
+  checkpointing keeps a block's (or sublayer's) input and recomputes the rest during its backward.
+- Working memory: the running layer's temporaries — one chunk of logits and its fp32 log-softmax, the
+  experts' gathered rows and intermediates, all-to-all copies, recomputed activations in backward.
+- Peak: the static part plus the largest of the forward (activations so far and the running layer's
+  temporaries), a walk backward over the layers (activations not yet freed, gradients held, the running
+  layer's temporaries and gradients) and the optimizer step (gradient partition, its flat and fp32 copies;
+  on gloo the all-gather staging). Pipeline stages hold min(GA, stages - stage) micro batches (1F1B); a
+  stage other than the last runs backward once per tensor it sent, with retain_graph, so its activations
+  stay until the last of them.
+
+Approximated or not modelled: routing is balanced (uneven expert loads change the rows per rank), plain
+causal rows (packed documents add a (B, 1, T, T) mask off CUDA), sequence parallelism only divides the
+tokens, LoRA is estimated as a full fine-tune, torch.compile as eager, and the rope tables, biases and
+routing counts (well under 1%) are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dstrain.model import ModelConfig
+from dstrain.model.experts import CPU_GROUP_ROWS
+from dstrain.model.kernels import CPU_NATIVE_BF16
+from dstrain.model.loss import CHUNK_ELEMENTS, CHUNK_ROWS
+from dstrain.parallel import ParallelDims
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+CUDA_RESERVE = 2 * GIB
+"""Per GPU beyond live tensors: the CUDA context and kernels (~0.5-1 GiB), NCCL's buffers, fragmentation."""
+CHECKPOINTING = ("none", "mlp", "attention", "full")
+
+PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + AdamW)", "gradients"
+ACTS, WORK, BUCKETS = "activations", "working memory", "communication buckets"
+GATHERED, RESERVE = "gathered ZeRO-3 parameters", "CUDA context, NCCL, fragmentation"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the estimate depends on: the model, the layout, the ZeRO settings and the batch shape."""
+
+    model: ModelConfig
+    dims: ParallelDims
+    stage: int
+    precision: str
+    """'fp32' or 'bf16'."""
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    checkpointing: str = "none"
+    zero: dict[str, Any] = field(default_factory=dict)
+    """The DeepSpeed config's zero_optimization section (DeepSpeed's defaults fill what it leaves out)."""
+    device: str = "cuda"
+    pp_partition: str = "parameters"
+
+    @classmethod
+    def of(cls, plan: RunPlan) -> Workload:
+        o = plan.opts
+        return cls(
+            model=plan.model,
+            dims=plan.dims,
+            stage=plan.stage,
+            precision=plan.precision,
+            micro_batch=o.layout.micro_batch_size,
+            seq_len=o.data.seq_len,
+            grad_accum=o.layout.gradient_accumulation_steps,
+            checkpointing=o.model.activation_checkpointing,
+            zero=dict(plan.ds.get("zero_optimization") or {}),
+            device=plan.device_type,
+            pp_partition=o.layout.pp_partition,
+        )
+
+    def replace(self, **changes: Any) -> Workload:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank; `terms` sum to `peak`, for the rank that needs the most."""
+
+    peak: int
+    terms: dict[str, int]
+    phase: str
+    """When that rank's peak happens: forward, backward, optimizer step or parameter all-gather."""
+    host: int = 0
+    """Host memory per rank for offloaded optimizer states and parameters."""
+    per_rank: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Layer:
+    """One unit of the pipeline layer list, as one rank holds it; bytes are per micro batch."""
+
+    name: str
+    tensors: list[int] = field(default_factory=list)
+    """Elements of each parameter tensor this rank holds, routed experts apart."""
+    experts: int = 0
+    """Routed-expert elements this rank holds (partitioned over the expert-data-parallel group)."""
+    saved: int = 0
+    """Activations saved for backward."""
+    forward: int = 0
+    """Temporaries while its forward runs, above what it saves."""
+    backward: int = 0
+    """Temporaries while its backward runs (recomputed activations included), its gradients apart."""
+
+    @property
+    def dense(self) -> int:
+        return sum(self.tensors)
+
+    @property
+    def params(self) -> int:
+        return self.dense + self.experts
+
+
+class _Shapes:
+    """Parameter and activation sizes of one rank's layers."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w, self.cfg = w, w.model
+        self.tp, self.ep = w.dims.tp, w.dims.ep
+        self.b, self.t = w.micro_batch, w.seq_len // w.dims.sp
+        self.n = self.b * self.t  # tokens per micro batch on this rank
+        self.a = 4 if w.precision == "fp32" else 2  # bytes of a parameter and an activation
+        self.heads = self.cfg.num_attention_heads // self.tp
+        self.cpu = w.device == "cpu"
+        self._blocks: dict[bool, Layer] = {}
+
+    # parameters ------------------------------------------------------------------------------------------
+    def attention_tensors(self) -> list[int]:
+        c, h = self.cfg, self.heads
+        d, rq, rkv = c.hidden_size, c.q_lora_rank, c.kv_lora_rank
+        q = [d * h * c.qk_head_dim] if rq is None else [d * rq, rq, rq * h * c.qk_head_dim]
+        kv = [d * (rkv + c.qk_rope_head_dim), rkv, rkv * h * (c.qk_nope_head_dim + c.v_head_dim)]
+        bias = [rkv + c.qk_rope_head_dim, d] + ([rq] if rq else []) if c.attention_bias else []
+        return q + kv + [h * c.v_head_dim * d] + bias
+
+    def block(self, index: int) -> Layer:
+        moe = self.cfg.is_moe_layer(index)
+        if moe not in self._blocks:  # every MoE block has the same sizes, every dense one too
+            self._blocks[moe] = self._block(moe)
+        return dataclasses.replace(
+            self._blocks[moe], name=f"block {index}", tensors=list(self._blocks[moe].tensors)
+        )
+
+    def _block(self, moe: bool) -> Layer:
+        c, d = self.cfg, self.cfg.hidden_size
+        layer = Layer("block", tensors=[d, d, *self.attention_tensors()])
+        if moe:
+            shared = c.moe_intermediate_size * c.n_shared_experts // self.tp
+            layer.tensors += [c.n_routed_experts * d] + ([d * shared] * 3 if shared else [])
+            layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
+        else:
+            layer.tensors += [d * c.intermediate_size // self.tp] * 3
+        self.block_activations(layer, moe)
+        return layer
+
+    def embedding(self) -> Layer:
+        c = self.cfg
+        # with MTP the embedding runs twice: its second gradient exists until it is added to the first
+        again = c.vocab_size * c.hidden_size * self.a if c.num_nextn_predict_layers else 0
+        return Layer("embedding", tensors=[c.vocab_size * c.hidden_size], backward=again)
+
+    def head(self) -> Layer:
+        """The final norm and the output head (its cross-entropy is `loss`)."""
+        c = self.cfg
+        d = c.hidden_size
+        own = [] if c.tie_word_embeddings else [c.vocab_size * d]
+        return Layer("head", tensors=[d, *own], saved=self.norm(d), backward=3 * self.n * d * self.a)
+
+    def loss(self, name: str) -> Layer:
+        """A cross-entropy through the head (loss.py): keeps d input and a head-sized d weight; while it runs,
+        one chunk's logits and their fp32 log-softmax (from an fp32 copy of bf16 logits) and the flat input."""
+        c, n, a = self.cfg, self.n, self.a
+        d, v = c.hidden_size, c.vocab_size
+        rows = min(n, max(CHUNK_ROWS, CHUNK_ELEMENTS // v))
+        chunk = rows * v * (a + 4 + (4 if a == 2 else 0)) + n * d * a
+        return Layer(name, saved=n * d * a + v * d * a, forward=chunk, backward=3 * n * d * a)
+
+    def mtp(self, depth: int) -> Layer:
+        """MTP depth k: enorm, hnorm, their concatenation (eh_proj's input), a block, shared_head_norm."""
+        c = self.cfg
+        d = c.hidden_size
+        layer = self.block(c.num_hidden_layers + depth - 1)
+        layer.name = f"MTP {depth}"
+        layer.tensors += [d, d, 2 * d * d, d]
+        layer.saved += 3 * self.norm(d) + self.n * 2 * d * self.a
+        return layer
+
+    # activations -----------------------------------------------------------------------------------------
+    def norm(self, width: int) -> int:
+        """RMSNorm: its input in fp32 (itself, or an fp32 copy of a bf16 input), x·rsqrt in the activation
+        dtype and rsqrt. Its output is counted by whatever saves it."""
+        return self.n * width * (4 + self.a) + 4 * self.n
+
+    def attention_saved(self) -> int:
+        c, n, a, h = self.cfg, self.n, self.a, self.heads
+        d, rq, rkv = c.hidden_size, c.q_lora_rank, c.kv_lora_rank
+        out = self.norm(d) + n * d * a  # input_layernorm, and its output (the q and kv projections' input)
+        if rq is not None:
+            out += self.norm(rq) + n * rq * a
+        # fp32: the kv norm's saved input is a view of the whole (latent | rotary key) projection
+        out += self.norm(rkv) + (n * c.qk_rope_head_dim * 4 if a == 4 else 0) + n * rkv * a
+        qk = n * h * c.qk_head_dim * a
+        if self.cpu:  # the CPU flash kernel takes one head dim: v and the output are padded to qk_head_dim
+            core = 4 * qk
+        else:  # SDPA's saved v is a view of kv_b's output, which stays whole
+            core = 2 * qk + n * h * (c.qk_nope_head_dim + 2 * c.v_head_dim) * a
+        return out + core + 4 * n * h + n * h * c.v_head_dim * a  # + log-sum-exp, o_proj's input
+
+    def swiglu(self, width: int) -> int:
+        """gate, silu(gate), up and their product (the down projection's input)."""
+        return 4 * self.n * width * self.a
+
+    def routed_rows(self) -> int:
+        """Rows through this rank's experts: tokens x top-k (balanced routing), each expert's group padded
+        to CPU_GROUP_ROWS where oneDNN runs bf16 GEMMs (experts.py)."""
+        c = self.cfg
+        rows = self.n * c.num_experts_per_tok
+        if self.cpu and self.a == 2 and CPU_NATIVE_BF16:
+            rows += (c.n_routed_experts // self.ep) * (CPU_GROUP_ROWS - 1)
+        return rows
+
+    def moe_saved(self) -> int:
+        c, n, a = self.cfg, self.n, self.a
+        d, e, k, inter = c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        # router: fp32 scores, indices, the weights before and after normalisation, the balance loss's sums;
+        # in bf16 also the fp32 copies of its input and weight
+        out = 4 * n * e + 16 * n * k + 8 * n + (4 * n * d + 4 * e * d if a == 2 else 0)
+        rows = self.routed_rows()
+        out += 8 * n * k + rows * 2 * inter * a  # permutation, pre-activation
+        if self.ep > 1:  # the rows received (and the copy index_copy keeps), their order, the fp32 combine
+            out += 2 * rows * d * a + 8 * rows + n * k * d * 4 + 8 * n * k  # input and its index
+        if c.n_shared_experts:
+            out += self.swiglu(inter * c.n_shared_experts // self.tp)
+        return out
+
+    def block_activations(self, layer: Layer, moe: bool) -> None:
+        c, n, a = self.cfg, self.n, self.a
+        d = c.hidden_size
+        attn = self.attention_saved()
+        ffn = self.moe_saved() if moe else self.swiglu(c.intermediate_size // self.tp)
+        mlp = self.norm(d) + n * d * a + ffn  # post_attention_layernorm and its output
+        kept = {"none": attn + mlp, "attention": n * d * a + mlp, "mlp": attn + n * d * a, "full": n * d * a}
+        recomputed = {"none": 0, "attention": attn, "mlp": mlp, "full": attn + mlp}
+        mode = self.w.checkpointing
+        layer.saved = kept[mode]
+        if moe:
+            rows, inter = self.routed_rows(), c.moe_intermediate_size
+            # forward: rows gathered and their outputs, silu * up, the fp32 per-token sum; backward: d out
+            # and x regathered, silu, products, d h, weighted h, d pre-activation (experts.py)
+            fwd = rows * (2 * d + 3 * inter) * a + n * d * 4
+            work = rows * (2 * d + 6 * inter) * a
+            if self.ep > 1:  # all-to-all send and receive copies of the rows, both ways
+                fwd += 2 * rows * d * a
+                work += 2 * rows * d * a
+        else:
+            inter = c.intermediate_size // self.tp
+            fwd, work = n * inter * a, 3 * n * inter * a
+        heads = n * self.heads * c.qk_head_dim * a  # attention's q/k/v-sized temporaries
+        layer.forward = max(fwd, 3 * heads)
+        # + d output, d input and one (tokens, hidden) intermediate
+        layer.backward = recomputed[mode] + 3 * n * d * a + max(work, 5 * heads)
+
+
+def rank_layers(w: Workload) -> list[list[Layer]]:
+    """The layers of each pipeline stage, as DeepSpeed partitions [embedding, blocks..., head + MTP]."""
+    shapes, cfg = _Shapes(w), w.model
+    tail = [shapes.head(), shapes.loss("loss")]
+    for k in range(1, cfg.num_nextn_predict_layers + 1):
+        tail += [shapes.mtp(k), shapes.loss(f"MTP {k} loss")]
+    items = [[shapes.embedding()], *([shapes.block(i)] for i in range(cfg.num_hidden_layers)), tail]
+    pp = w.dims.pp
+    if pp == 1:
+        return [[layer for item in items for layer in item]]
+    parts = _partition(w.pp_partition, pp, tuple(sum(x.params for x in item) for item in items))
+    return [[layer for item in items[parts[s] : parts[s + 1]] for layer in item] for s in range(pp)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _partition(spec: str, pp: int, weights: tuple[int, ...]) -> list[int]:
+    """DeepSpeed's own stage boundaries over the pipeline layers (cached: its balanced partition is a
+    quadratic dynamic program, and the layout search asks for the same ones many times)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from dstrain.parallel.pipe import parse_partition
+
+    method = parse_partition(spec, pp, len(weights) - 2)
+    if method == "parameters":
+        return partition_balanced(list(weights), pp)
+    return partition_uniform(len(weights), pp) if method == "uniform" else method
+
+
+@dataclass(frozen=True)
+class _Zero:
+    """The ZeRO settings that size memory, DeepSpeed's defaults filling what the config leaves out."""
+
+    bucket: int
+    overlap: bool
+    offload_optimizer: bool
+    offload_param: bool
+    prefetch: int
+    persistence: int
+    reuse: int
+    sub_group: int
+
+    @classmethod
+    def of(cls, w: Workload) -> _Zero:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        z = DeepSpeedZeroConfig(**{**{k: v for k, v in w.zero.items() if v != "auto"}, "stage": w.stage})
+        # dstrain resolves overlap_comm "auto" to "on CUDA" (ds_config.py)
+        overlap = w.device == "cuda" if w.zero.get("overlap_comm") == "auto" else bool(z.overlap_comm)
+
+        def offloaded(section: Any) -> bool:
+            return section is not None and getattr(section.device, "value", section.device) != "none"
+
+        return cls(
+            bucket=int(z.reduce_bucket_size),
+            overlap=overlap,
+            offload_optimizer=offloaded(z.offload_optimizer),
+            offload_param=offloaded(z.offload_param),
+            prefetch=int(z.prefetch_bucket_size),
+            persistence=int(z.param_persistence_threshold),
+            reuse=int(z.max_reuse_distance),
+            sub_group=int(z.sub_group_size),
+        )
+
+
+@dataclass
+class _Stage:
+    """One rank of a pipeline stage: its layers and the sizes every phase shares."""
+
+    w: Workload
+    z: _Zero
+    layers: list[Layer]
+    index: int
+
+    def __post_init__(self) -> None:
+        d, layers = self.w.dims, self.layers
+        self.a = 4 if self.w.precision == "fp32" else 2
+        self.params = sum(x.params for x in layers)
+        self.dense, self.experts = sum(x.dense for x in layers) / d.dp, sum(x.experts for x in layers) / d.edp
+        self.part = self.dense + self.experts  # this rank's ZeRO partition (elements)
+
+    def static(self) -> tuple[dict[str, float], float]:
+        """-> (what the whole run holds, host bytes for offloaded states)."""
+        w, z, a, part = self.w, self.z, self.a, self.part
+        out: dict[str, float] = {}
+        host = 0.0
+        if w.stage == 3:
+            whole = sum(t for x in self.layers for t in x.tensors if t <= z.persistence) * a
+            out[PARAMS] = whole + (0 if z.offload_param else part * a)
+            host += part * a if z.offload_param else 0
+        else:
+            out[PARAMS] = self.params * a
+        states = part * 12 if w.stage >= 1 else self.params * (12 if a == 2 else 8)
+        out[STATES] = 0 if z.offload_optimizer else states
+        host += states if z.offload_optimizer else 0
+        if w.stage == 3:  # the flat gradient partition and the reduce bucket
+            out[GRADS] = 0 if z.offload_optimizer else part * a
+            host += part * 4 if z.offload_optimizer else 0
+            out[BUCKETS] = z.bucket * a
+        return out, host
+
+    def earlier(self) -> float:
+        """Micro batches in flight on this stage before the one whose peak is taken (1F1B), and the stage's
+        input and output tensors each keeps (the MTP look-ahead embeddings among them)."""
+        w, d = self.w, self.w.dims
+        if d.pp == 1:
+            return 0.0
+        inflight = min(w.grad_accum, d.pp - self.index)
+        sh, width = _Shapes(w), w.model.hidden_size * self.a
+        ext = sh.b * (sh.t + w.model.num_nextn_predict_layers) * width
+        return (inflight - 1) * sum(x.saved for x in self.layers) + inflight * (2 * sh.n * width + ext)
+
+    def gathered(self) -> float:
+        """ZeRO-3 gathers each layer's parameters whole; once its trace is known, parameters reused within
+        stage3_max_reuse_distance elements stay gathered; gloo stages each all-gather in a buffer of its own."""
+        if self.w.stage != 3:
+            return 0.0
+        largest = max(max(max(x.tensors, default=0), 2 * x.experts // 3) for x in self.layers)  # gate_up
+        staged = largest if self.w.device == "cpu" else 0
+        return (min(self.params, self.z.reuse + largest + self.z.prefetch) + staged) * self.a
+
+    def forward(self) -> dict[str, float]:
+        """A walk from the first layer; with accumulation, a later micro batch's, on top of the gradients
+        (or partition) and the buckets the earlier ones left."""
+        live, best = self.earlier(), {ACTS: 0.0, WORK: 0.0}
+        for x in self.layers:
+            live += x.saved
+            if live + x.forward >= sum(best.values()):
+                best = {ACTS: live, WORK: x.forward}
+        every, holds_all, partition = self._grads()
+        if self.w.grad_accum > 1:  # ZeRO-2 releases its buckets at the end of each backward, ZeRO-1 not
+            best[GRADS] = every if holds_all else partition
+            best[BUCKETS] = self._buckets() if self.w.stage == 1 else 0.0
+        return {**best, GATHERED: self.gathered()}
+
+    def _grads(self) -> tuple[float, bool, float]:
+        """-> (all gradients' bytes, whether they are all held to the end of backward, the bytes of the
+        gradient partition kept otherwise). ZeRO-0, pipeline stages and ZeRO-1 without overlap_comm (or
+        accumulating: it reduces at the last micro batch only) hold them all; ZeRO-2 (and ZeRO-1 with
+        overlap_comm) keep their partition."""
+        w, z, a, d = self.w, self.z, self.a, self.w.dims
+        holds_all = d.pp > 1 or w.stage == 0 or (w.stage == 1 and (w.grad_accum > 1 or not z.overlap))
+        keeps = (w.stage == 2 or (w.stage == 1 and z.overlap)) and not z.offload_optimizer
+        return self.params * a, holds_all, self.part * a if keeps and not holds_all else 0.0
+
+    def _buckets(self) -> float:
+        """ZeRO-1/2's reduce buckets: allocated at the first gradient, freed after the optimizer step."""
+        z = self.z
+        return z.bucket * self.a * (2 if z.overlap else 1) if self.w.stage in (1, 2) else 0.0
+
+    def backward(self) -> dict[str, float]:
+        """A walk from the last layer, gradients as `_grads` says; the partition exists once the first
+        bucket is reduced, and with accumulation the earlier micro batches' gradients from the start. A
+        stage other than the last keeps its activations (see the top) and has every gradient after the
+        first pass, to which the second adds the running layer's."""
+        w, z, a, d = self.w, self.z, self.a, self.w.dims
+        accumulates = w.grad_accum > 1
+        every, holds_all, partition = self._grads()
+        retains = d.pp > 1 and self.index < d.pp - 1
+        remaining = self.earlier() + sum(x.saved for x in self.layers)
+        held = every if holds_all and accumulates else 0.0
+        reduced = float(z.bucket) if accumulates else 0.0
+        worst: dict[str, float] = {}
+        for x in reversed(self.layers):
+            grads = held + x.params * a + (partition if reduced >= z.bucket else 0)
+            now = {ACTS: remaining, WORK: x.backward, GRADS: grads}
+            worst = now if sum(now.values()) >= sum(worst.values()) else worst
+            remaining -= 0 if retains else x.saved
+            held += x.params * a if holds_all and not accumulates else 0
+            reduced += x.params
+        if retains:
+            x = max(self.layers, key=lambda x: x.backward + x.params * a)
+            now = {ACTS: remaining, WORK: x.backward, GRADS: held + x.params * a}
+            worst = now if sum(now.values()) > sum(worst.values()) else worst
+        return {**worst, BUCKETS: self._buckets(), GATHERED: self.gathered()}
+
+    def step(self) -> dict[str, dict[str, float]]:
+        """The optimizer step, one parameter group (ZeRO-3: sub-group) at a time: a flattened copy of its
+        gradient partition and, in bf16, that copy in fp32 (on the host when the optimizer is offloaded);
+        the routed experts are groups of their own under expert parallelism. Then gloo stages the
+        all-gather of the updated parameters in a buffer of the whole flat group (NCCL gathers in place)."""
+        w, z, a = self.w, self.z, self.a
+        out = {}
+        if w.stage >= 1 and not z.offload_optimizer:
+            group = max(self.dense, self.experts) if w.dims.ep > 1 else self.part
+            group = min(group, z.sub_group) if w.stage == 3 else group
+            grads = self.part * a if w.stage < 3 else 0  # ZeRO-3's partition is static
+            out["optimizer step"] = {GRADS: grads, WORK: group * (a + (4 if a == 2 else 0))}
+        if w.stage in (1, 2) and w.device == "cpu":
+            out["parameter all-gather"] = {BUCKETS: self.params * a}
+        return out
+
+    def peak(self) -> tuple[dict[str, float], str, float]:
+        """-> (terms of the peak, its phase, host bytes)."""
+        static, host = self.static()
+        phases = {"forward": self.forward(), "backward": self.backward(), **self.step()}
+        phase = max(phases, key=lambda p: sum(phases[p].values()))
+        terms = dict(static)
+        for k, v in phases[phase].items():
+            terms[k] = terms.get(k, 0) + v
+        if self.w.device == "cuda":
+            terms[RESERVE] = CUDA_RESERVE
+        return terms, phase, host
+
+
+def estimate(w: Workload) -> Estimate:
+    """The predicted peak per rank; `terms` are those of the rank that needs the most."""
+    z = _Zero.of(w)
+    results = [_Stage(w, z, layers, s).peak() for s, layers in enumerate(rank_layers(w))]
+    peaks = [int(sum(terms.values())) for terms, _, _ in results]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    terms, phase, host = results[worst]
+    per_rank = [peaks[w.dims.coords(r)[0]] for r in range(w.dims.world)]
+    shown = {k: int(v) for k, v in terms.items() if v}
+    return Estimate(peaks[worst], shown, phase, int(host), per_rank)
+
+
+def device_warning(plan: RunPlan, device: Any, local_ranks: int) -> str | None:
+    """One line when the predicted peak per rank exceeds what a rank has: a GPU's total memory, or on a CPU
+    this machine's physical memory divided among its local ranks. None when it fits (or cannot be told)."""
+    try:
+        w = Workload.of(plan)
+        peak = max(estimate(w).per_rank)
+    except Exception as exc:  # the estimate advises; it never stops a run that may well fit
+        log.debug("memory estimate failed: %s", exc)
+        return None
+    if device.type == "cuda":
+        import torch
+
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"the {device} GPU"
+    else:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local_ranks)
+        where = f"this machine's memory per local rank ({local_ranks})"
+    if peak <= have:
+        return None
+    return (
+        f"dstrain: warning: predicted peak memory {peak / GIB:.1f} GiB per rank exceeds the {have / GIB:.1f} GiB "
+        f"of {where}; `dstrain plan` with these options lists layouts that fit"
+    )

@@ -1,0 +1,70 @@
+"""A rank that hangs or dies: the other exits within --collective_timeout plus a few seconds, with one line naming
+it and exit code 76, instead of waiting until the allocation ends. Ranks start as srun starts them (see
+test_preempt.py), so rank 0's own exit code and time are seen while rank 1 is still stuck."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from dstrain.training.watchdog import DIE_ENV, HANG_ENV, PEER_LOST_EXIT_CODE, REPORT_GRACE_S
+from tests.training.test_preempt import _start
+
+pytestmark = pytest.mark.multirank
+TIMEOUT_S = 10
+
+
+def _rank0_exit(procs: list[subprocess.Popen], bound: float) -> tuple[int, str, float]:
+    """Rank 0's exit code, output and seconds from its step 3 to its exit (rank 1 is killed after)."""
+    deadline = threading.Timer(
+        240, lambda: [p.kill() for p in procs]
+    )  # ends the read below, whatever happens
+    deadline.start()
+    try:
+        seen, t_step3 = [], None
+        for line in procs[0].stdout:  # plain lines: stdout is not a TTY
+            seen.append(line)
+            if line.startswith("step 2/"):  # the next heartbeat starts step 3, where rank 1 stops
+                t_step3 = time.monotonic()
+                break
+        assert t_step3 is not None, "".join(seen)[-3000:]
+        rest = procs[0].communicate(timeout=bound)[0]
+        return procs[0].returncode, "".join(seen) + rest, time.monotonic() - t_step3
+    finally:
+        deadline.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_the_others_exit_in_bounded_time_naming_the_rank(tmp_path, fault, monkeypatch):
+    monkeypatch.setenv(HANG_ENV if fault == "hang" else DIE_ENV, "3:1")
+    procs = _start(tmp_path / fault, ["--max_steps", "100", "--collective_timeout", str(TIMEOUT_S)])
+    bound = (TIMEOUT_S if fault == "hang" else 0) + REPORT_GRACE_S + 10
+    code, text, took = _rank0_exit(procs, bound)
+    lines = [x for x in text.splitlines() if x.startswith("dstrain: error:")]
+    print(f"{fault}: rank 0 exited {took:.1f} s after step 2: {lines}")
+    assert code == PEER_LOST_EXIT_CODE, text[-3000:]
+    how = "stopped responding" if fault == "hang" else "died"
+    assert len(lines) == 1 and f"rank 1 {how} in step 3" in lines[0], text[-3000:]
+    assert "Traceback" not in text
+    if fault == "hang":
+        assert f"--collective_timeout {TIMEOUT_S} s" in lines[0]
+        assert took >= TIMEOUT_S
+
+
+def test_collective_timeout_is_a_positive_number_of_seconds():
+    from dstrain.errors import ConfigError
+    from dstrain.training.options import parse_options
+
+    assert parse_options([]).run.collective_timeout == 600
+    assert parse_options(["--collective_timeout", "2.5"]).run.collective_timeout == 2.5
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ConfigError, match="--collective_timeout"):
+            parse_options(["--collective_timeout", bad])

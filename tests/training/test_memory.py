@@ -1,0 +1,129 @@
+"""The memory estimate as a pure function (no process group, nothing trained): its parameters are the model's
+real counts, its activations are what autograd saves, and each layout changes the terms it should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dstrain.model import ModelConfig, build_model, get_config, param_counts
+from dstrain.parallel import ParallelDims
+from dstrain.training.memory import ACTS, GATHERED, PARAMS, STATES, Workload, estimate, rank_layers
+from tests.conftest import tiny_config
+from tests.model.test_config_files import MOONLIGHT
+
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+             num_experts_per_tok=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32)  # fmt: skip
+
+
+def workload(cfg=None, world: int = 1, **kw) -> Workload:  # noqa: ANN001
+    dims = ParallelDims(world, **{k: kw.pop(k) for k in ("pp", "tp", "ep") if k in kw})
+    base = dict(stage=1, precision="bf16", micro_batch=2, seq_len=128, device="cuda")
+    return Workload(cfg or tiny_config(**SMALL), dims, **{**base, **kw})
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "deepseek-v2-lite", "deepseek-v3", "moonlight"])
+def test_parameters_are_the_models_own_count(name):
+    cfg = get_config(name) if name != "moonlight" else ModelConfig.from_hf_dict(MOONLIGHT)
+    layers = rank_layers(workload(cfg))[0]
+    assert sum(x.params for x in layers) == param_counts(cfg)["total"]
+
+
+def test_expert_and_tensor_parallel_shares_add_up():
+    cfg = tiny_config(**SMALL)
+    whole = rank_layers(workload(cfg))[0]
+    ep = rank_layers(workload(cfg, world=4, ep=4))[0]
+    assert sum(x.experts for x in ep) * 4 == sum(x.experts for x in whole)
+    tp = rank_layers(workload(cfg, world=2, tp=2))[0]
+    assert sum(x.experts for x in tp) == sum(x.experts for x in whole)  # routed experts stay whole
+    assert sum(x.dense for x in tp) < sum(x.dense for x in whole)
+
+
+def test_pipeline_stages_hold_every_layer_once():
+    cfg = tiny_config(**SMALL, num_hidden_layers=4)
+    stages = rank_layers(workload(cfg, world=2, pp=2))
+    assert len(stages) == 2 and all(stages)
+    assert sum(x.params for s in stages for x in s) == param_counts(cfg)["total"]
+    assert stages[0][0].name == "embedding" and stages[1][-1].name == "MTP 1 loss"
+    per_rank = estimate(workload(cfg, world=2, pp=2)).per_rank
+    assert per_rank[0] != per_rank[1]
+
+
+def test_zero3_divides_parameters_and_states_by_data_parallel_size():
+    cfg = tiny_config(**SMALL)
+    one = estimate(workload(cfg, world=8, stage=1)).terms
+    three = estimate(workload(cfg, world=8, stage=3, zero={"stage3_param_persistence_threshold": 0})).terms
+    total = param_counts(cfg)["total"]
+    assert one[PARAMS] == total * 2  # ZeRO-1: whole bf16 weights on every rank
+    assert three[PARAMS] == pytest.approx(total * 2 / 8, rel=1e-6)
+    assert three[STATES] == one[STATES] == pytest.approx(total * 12 / 8, rel=1e-6)  # fp32 master + moments
+    assert GATHERED in estimate(workload(cfg, world=8, stage=3)).terms
+
+
+def test_offloading_moves_optimizer_states_to_the_host():
+    cfg = tiny_config(**SMALL)
+    est = estimate(workload(cfg, world=2, stage=2, zero={"offload_optimizer": {"device": "cpu"}}))
+    assert STATES not in est.terms and est.host == pytest.approx(
+        param_counts(cfg)["total"] * 12 / 2, rel=1e-6
+    )
+
+
+def test_checkpointing_lowers_activations_and_the_peak():
+    cfg = tiny_config(**SMALL, num_hidden_layers=4)
+
+    def saved(mode: str) -> int:
+        return sum(x.saved for x in rank_layers(workload(cfg, checkpointing=mode, seq_len=512))[0])
+
+    assert saved("full") < saved("mlp") < saved("none") and saved("full") < saved("attention") < saved("none")
+    peaks = [estimate(workload(cfg, checkpointing=m, seq_len=512)).peak for m in ("none", "full")]
+    assert peaks[1] < peaks[0]
+    assert (
+        estimate(workload(cfg, seq_len=1024)).terms[ACTS] > estimate(workload(cfg, seq_len=512)).terms[ACTS]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["none", "full", "attention", "mlp"])
+@pytest.mark.parametrize("shape", [{}, {"q_lora_rank": None, "n_shared_experts": 2}])
+def test_activations_are_what_autograd_saves(dtype, mode, shape):
+    """Every tensor the model's forward saves for backward (unique storages, parameters apart), counted by a
+    saved-tensors hook, against the estimate's activations on this CPU: within 2%."""
+    cfg = tiny_config(**{**SMALL, **shape, "num_hidden_layers": 3, "vocab_size": 1024})
+    b, t = 2, 64
+    model = build_model(cfg, dtype=dtype, seed=0)
+    model.set_activation_checkpointing(mode)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(input_ids=ids, labels=ids)
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    w = workload(cfg, precision=precision, micro_batch=b, seq_len=t, checkpointing=mode, device="cpu")
+    predicted = sum(x.saved for x in rank_layers(w)[0])
+    assert predicted == pytest.approx(sum(seen.values()), rel=0.02)
+
+
+def test_train_warns_in_one_line_when_the_peak_exceeds_the_device():
+    from dstrain.training.memory import device_warning
+    from dstrain.training.options import parse_options
+    from dstrain.training.plan import prepare
+
+    plan = prepare(parse_options(["--seq_len", "64"]), 1)  # the tiny preset, as `dstrain train` runs it
+    assert device_warning(plan, torch.device("cpu"), 1) is None
+    line = device_warning(plan, torch.device("cpu"), 10**7)  # this machine's memory shared by 10M ranks
+    assert line.startswith("dstrain: warning: predicted peak memory") and "\n" not in line
+    assert "dstrain plan" in line
+
+
+def test_accumulation_keeps_the_earlier_micro_batches_gradients():
+    cfg = tiny_config(**SMALL)
+    for stage in (1, 2):
+        one, four = (estimate(workload(cfg, world=2, stage=stage, grad_accum=ga)) for ga in (1, 4))
+        assert four.peak > one.peak, stage

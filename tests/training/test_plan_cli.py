@@ -1,0 +1,66 @@
+"""`dstrain plan` as scripts call it: the published DeepSeek-V3, V2-Lite and Moonlight shapes on 8 x 80 GB
+(configs only, no weights), the verdict on the last line, the layouts that fit, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dstrain.training.planner import main
+from tests.model.test_config_files import MOONLIGHT
+
+VERDICT = re.compile(r"^(fits|does not fit): predicted peak (\d+\.\d) GiB per rank of 80 GiB$")
+GPUS = ["--num_gpus", "8", "--gpu_memory_gb", "80", "--seq_len", "4096", "--micro_batch_size", "1"]
+
+
+def plan(capsys, *args: str) -> tuple[int, list[str], str]:  # noqa: ANN001
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out.strip().splitlines(), out.err
+
+
+def test_deepseek_v3_does_not_fit_eight_gpus_and_says_what_would(capsys):
+    code, lines, _ = plan(capsys, "--model", "deepseek-v3", "--config", "zero1", "--ep", "8", *GPUS,
+                          "--activation_checkpointing")  # fmt: skip
+    assert code == 0
+    verdict = VERDICT.match(lines[-1])
+    assert verdict and verdict[1] == "does not fit" and float(verdict[2]) > 80
+    text = "\n".join(lines)
+    assert "no layout of 8 x 80 GiB fits without offloading" in text
+    assert "offload optimizer+param" in text and "host memory" in text  # ZeRO-3 with everything on the host
+    assert re.search(r"the fewest GPUs that fit without offloading: \d+ x 80 GiB", text)
+
+
+def test_v2_lite_fits_and_lists_cheaper_layouts(capsys):
+    code, lines, _ = plan(capsys, "--model", "deepseek-v2-lite", "--config", "zero2", *GPUS)
+    verdict = VERDICT.match(lines[-1])
+    assert code == 0 and verdict and verdict[1] == "fits"
+    assert any(line.startswith("layouts that fit on 8 x 80 GiB") for line in lines)
+    assert any("parameters" in line for line in lines) and any("activations" in line for line in lines)
+
+
+def test_moonlight_from_its_config_json_alone(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MOONLIGHT))
+    code, lines, _ = plan(
+        capsys, "--model", str(tmp_path), "--config", "zero3", *GPUS, "--activation_checkpointing"
+    )
+    assert code == 0 and VERDICT.match(lines[-1])
+    assert "ZeRO-3" in lines[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "deepseek-v2-lite", "--tp", "32", "--num_gpus", "32"], "--tp 32 must divide num_attention_heads 16"),
+        (["--model", "deepseek-v3", "--ep", "3", "--num_gpus", "6"], "--ep 3 must divide n_routed_experts 256"),
+        (["--model", "deepseek-v3", "--tp", "3", "--num_gpus", "8"], "world size 8 is not divisible by --pp 1 x --tp 3"),
+        (["--model", "nope", "--num_gpus", "8"], "--model nope"),
+        (["--model", "deepseek-v3", "--num_gpus", "0"], "--num_gpus 0"),
+    ],
+)  # fmt: skip
+def test_mistakes_are_one_line_errors(capsys, args, message):
+    code, lines, err = plan(capsys, *args, "--gpu_memory_gb", "80")
+    assert code == 2 and lines == []
+    assert err.count("\n") == 1 and err.startswith("dstrain: error:") and message in err, err
