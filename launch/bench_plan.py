@@ -160,7 +160,13 @@ def main() -> None:
     args = ap.parse_args()
     names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
     if args.worker:
-        worker(names, args.worker)
+        sys.path.insert(0, str(ROOT))
+        from dstrain import dist
+
+        try:
+            worker(names, args.worker)
+        finally:
+            dist.shutdown()  # else gloo's threads can abort the process at exit
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:

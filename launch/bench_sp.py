@@ -94,7 +94,13 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.worker:
-        worker(lengths, args.worker)
+        sys.path.insert(0, str(ROOT))
+        from dstrain import dist
+
+        try:
+            worker(lengths, args.worker)
+        finally:
+            dist.shutdown()  # else gloo's threads can abort the process at exit
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
