@@ -166,8 +166,8 @@ def main() -> None:
         try:
             worker(names, args.worker)
         finally:
-            dist.shutdown()  # else gloo's threads can abort the process at exit
-        return
+            dist.shutdown()
+        dist.finish()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         out = args.json or os.path.join(tmp, "plan.json")

@@ -100,8 +100,8 @@ def main() -> None:
         try:
             worker(lengths, args.worker)
         finally:
-            dist.shutdown()  # else gloo's threads can abort the process at exit
-        return
+            dist.shutdown()
+        dist.finish()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/sp.json"

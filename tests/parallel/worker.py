@@ -233,3 +233,4 @@ if __name__ == "__main__":
             main(sys.argv[1], sys.argv[2:])
     finally:
         dist.shutdown()
+    dist.finish()

@@ -106,3 +106,4 @@ if __name__ == "__main__":
         zero3_worker(sys.argv[2])
     finally:
         dist.shutdown()
+    dist.finish()

@@ -179,3 +179,4 @@ if __name__ == "__main__":
         worker(sys.argv[1], sys.argv[2])
     finally:
         dist.shutdown()
+    dist.finish()
