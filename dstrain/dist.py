@@ -15,6 +15,7 @@ import torch
 import torch.distributed as tdist
 
 from dstrain.errors import UserError
+from dstrain.hostalloc import keep_freed_memory
 
 T = TypeVar("T")
 
@@ -116,6 +117,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        keep_freed_memory()  # steps re-allocate the same large tensors: no page faults for each (hostalloc.py)
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one host share its cores (GPU ranks too, for host-side work); torch would otherwise give
         # each rank all of them.

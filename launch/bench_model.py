@@ -16,7 +16,8 @@ Figures (JSON lines, one per config x dtype x figure):
 Timing: steps interleaved A B B A in one process (the first slot of a round runs slower on a shared machine),
 >= 4 rounds; quoted: the min and the median of the per-round ratios. MFU against the measured matmul peak
 (CPU) or the device's dense bf16 peak (CUDA). Every line names the kernel path: native bf16 on this CPU or
-not (kernels.CPU_NATIVE_BF16), threads, grouped_mm or its fallback.
+not (kernels.CPU_NATIVE_BF16), threads, grouped_mm or its fallback, and malloc's mode (--malloc: glibc's
+default maps and faults in every large tensor afresh, which costs transformers more than dstrain).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.model import ModelConfig, build_model, flops_per_token, save_pretrained  # noqa: E402
 from dstrain.model.experts import grouped_mm_ok  # noqa: E402
 from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MALLOC = "glibc default"
 
 
 def _cfg(**kw) -> ModelConfig:  # noqa: ANN003
@@ -216,6 +219,7 @@ def kernel_path(cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict:
         "cpu_native_bf16": CPU_NATIVE_BF16,
         "compute_dtype": str(compute).removeprefix("torch."),
         "experts": "grouped_mm" if grouped else "per-group loop (grouped_mm cannot take these sizes/dtype)",
+        "malloc": MALLOC,
     }
 
 
@@ -277,6 +281,12 @@ def bench(name: str, dtype_name: str, figures: list[str], rounds: int, device: s
     return out
 
 
+def set_malloc(mode: str) -> None:
+    global MALLOC
+    if mode == "keep" and keep_freed_memory():
+        MALLOC = "freed memory kept (dstrain.hostalloc)"
+
+
 def gpu_peak_flops() -> float:
     from dstrain.training.metrics import device_peak_tflops
 
@@ -291,7 +301,15 @@ def main() -> None:
     p.add_argument("--dtypes", default=None, help="default: fp32,bf16 on CPU, bf16 on CUDA")
     p.add_argument("--figures", default="speed,moe,compile,memory")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--malloc",
+        choices=["keep", "system"],
+        default="keep",
+        help="keep: freed memory reused (dstrain.hostalloc, what `dstrain train` sets on the CPU, for both "
+        "models here); system: glibc's default (a fresh mmap for every large tensor)",
+    )
     args = p.parse_args()
+    set_malloc(args.malloc)
     configs = (args.configs or ",".join(SHAPES[args.device])).split(",")
     dtypes = (args.dtypes or ("bf16" if args.device == "cuda" else "fp32,bf16")).split(",")
     for name in configs:

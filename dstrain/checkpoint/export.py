@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ from dstrain.errors import CheckpointError, ConfigError, UserError
 from dstrain.model.config import ModelConfig
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
 from dstrain.model.loading import parse_dtype
-from dstrain.model.lora import LORA_SUFFIXES, merged_weight
-from dstrain.model.model import is_expert_bias
+from dstrain.model.lora import adapted_parts, is_lora_key, merge_parts
+from dstrain.model.model import EXPERT_BIAS, is_expert_bias
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_settings, write_peft_adapter
 from .store import find, read_model_config, read_state
@@ -72,25 +72,26 @@ def default_dtype(cfg: ModelConfig) -> torch.dtype:
 def merge_stream(
     weights: Iterator[tuple[str, torch.Tensor]], lora: dict[str, Any] | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """dstrain (key, tensor) with every adapter folded into its base weight. Holds back only the pieces of
-    one adapted module until all three (weight, lora_A, lora_B) have arrived."""
+    """dstrain (key, tensor) with every adapter folded into its base weights. Holds back only the pieces of
+    one adapted module until all of them (base weights and adapters, `adapted_parts`) have arrived."""
     modules = set(lora["modules"]) if lora else set()
     scale = float(lora["alpha"]) / int(lora["r"]) if lora else 0.0
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in weights:
         module, _, part = key.rpartition(".")
-        if key.endswith(LORA_SUFFIXES) and not lora:
+        if is_lora_key(key) and not lora:
             raise CheckpointError(
                 f"the checkpoint has LoRA adapters ({key}) but no lora.json with their rank and alpha"
             )
-        if module not in modules or part not in ("weight", "lora_A", "lora_B"):
+        if module not in modules or part not in adapted_parts(module):
             yield key, t
             continue
         got = pending.setdefault(module, {})
         got[part] = t
-        if len(got) == 3:
+        if len(got) == len(adapted_parts(module)):
             del pending[module]
-            yield f"{module}.weight", merged_weight(got["weight"], got["lora_A"], got["lora_B"], scale)
+            for leaf, merged in merge_parts(module, got, scale).items():
+                yield f"{module}.{leaf}", merged
     if pending:
         module, got = next(iter(pending.items()))
         raise CheckpointError(f"incomplete LoRA module {module} in the checkpoint: only {sorted(got)}")
@@ -166,10 +167,16 @@ def export(
         check_adapter_only(lora, cfg)
     prepare_out(out, force)
     if adapter_only:
-        adapters = {k: t.to(dt) for k, t in iter_weights(ckpt) if k.endswith(LORA_SUFFIXES)}
+        whole = travels_whole(lora, cfg)
+        adapters, extra = {}, {}
+        for key, t in iter_weights(ckpt):
+            if is_lora_key(key):
+                adapters[key] = t.to(dt)
+            elif whole(key):
+                extra[key] = t if is_expert_bias(key) else t.to(dt)
         base = os.path.abspath(source) if source and os.path.isdir(source) else (source or "")
         try:
-            paths = write_peft_adapter(adapters, lora, cfg, out, base)
+            paths = write_peft_adapter(adapters, lora, cfg, out, base, extra)
         except ValueError as exc:
             raise ConfigError(f"--adapter_only: {exc}") from None
         return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "adapted": paths, "files": []}
@@ -196,24 +203,41 @@ def export(
 
 
 def check_adapter_only(lora: dict[str, Any] | None, cfg: ModelConfig) -> None:
-    """An adapter folder carries the adapters alone: refuse when training changed anything else that the
-    logits depend on (a PEFT adapter has no place for the router or the expert bias)."""
+    """An adapter folder needs adapters; say what it carries beyond them (what vLLM then refuses)."""
     if not lora:
         raise ConfigError("--adapter_only: the checkpoint has no LoRA adapters (it was a full fine-tune)")
-    if lora.get("train_router", True) and cfg.is_moe:
-        raise ConfigError(
-            "--adapter_only: the routers were trained too (--train_router) and an adapter cannot carry them; "
-            "export merged weights (drop --adapter_only) or fine-tune with --no-train_router"
-        )
-    if lora.get("bias_update_speed", 0.0) > 0 and cfg.uses_expert_bias and cfg.is_moe:
-        raise ConfigError(
-            "--adapter_only: the expert bias was updated (--moe_bias_update_speed > 0) and an adapter cannot "
-            "carry it; export merged weights, or fine-tune with --moe_bias_update_speed 0"
+    if cfg.is_moe and (lora.get("train_router", True) or _bias_trained(lora, cfg)):
+        log.warning(
+            "--adapter_only: the routers changed in full (--train_router, or the expert bias with "
+            "--moe_bias_update_speed > 0): they travel as PEFT modules_to_save, which peft loads and vLLM "
+            "refuses; for vLLM, fine-tune with --no-train_router --moe_bias_update_speed 0 (LoRA on `gate` "
+            "stays an adapter)"
         )
     if lora.get("train_mtp", True) and cfg.num_nextn_predict_layers:
         log.warning(
-            "--adapter_only: the trained MTP modules are not in the adapter (transformers runs no MTP)"
+            "--adapter_only: the trained MTP modules go to a side file (mtp_modules.safetensors): "
+            "transformers and the serving engines load no MTP weights from an adapter"
         )
+
+
+def _bias_trained(lora: dict[str, Any], cfg: ModelConfig) -> bool:
+    return lora.get("bias_update_speed", 0.0) > 0 and cfg.uses_expert_bias
+
+
+def travels_whole(lora: dict[str, Any], cfg: ModelConfig) -> Callable[[str], bool]:
+    """Which base tensors (dstrain keys) an adapter folder must carry whole, besides the adapters: the
+    routers' weight and bias when either trained (`write_peft_adapter` merges a router's adapters into its
+    weight then), and the MTP modules' tensors under --train_mtp."""
+    routers = cfg.is_moe and (lora.get("train_router", True) or _bias_trained(lora, cfg))
+    mtp = bool(lora.get("train_mtp", True) and cfg.num_nextn_predict_layers)
+
+    def whole(key: str) -> bool:
+        if key.startswith("mtp."):
+            return mtp
+        module, _, leaf = key.rpartition(".")
+        return routers and module.endswith(".mlp.gate") and leaf in ("weight", EXPERT_BIAS)
+
+    return whole
 
 
 # ------------------------------------------------------------------ verification

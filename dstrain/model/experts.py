@@ -17,6 +17,10 @@ GPUs by a gather with the inverse permutation and a sum (no atomics).
 from other ranks): it saves those rows and the pre-activation; `combine` weights and sums each token's rows
 once they are back.
 
+LoRA on the experts (`Adapters`, per expert its own A and B) runs as four more grouped GEMMs of width r in
+forward, beside the base ones; frozen base weights get no gradient computed. Their rank r is an inner size
+too: a multiple of 4 (fp32) or 8 (bf16) keeps them on grouped_mm, others take the per-group loop.
+
 grouped_mm's rules (torch 2.13): both operands of one dtype (no autocast; bf16 kernels on CPUs without native
 bf16 run in fp32, like `kernels.linear`), int32 offsets, and row strides that are multiples of 16 bytes, so
 hidden and moe_intermediate sizes must be multiples of 16 / element size. Its fast CUDA kernels take bf16
@@ -33,6 +37,8 @@ are zero in and zero out, and rows past the last group are never computed nor re
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -142,16 +148,54 @@ class _Rows:
         return t.index_select(0, self.slot // per if per > 1 else self.slot)
 
 
+class Adapters(NamedTuple):
+    """LoRA on every routed expert, per expert its own A and B (model.lora.LoRAExperts): gate_A/up_A (E, r, D),
+    gate_B/up_B (E, I, r), down_A (E, r, I), down_B (E, D, r); expert e's gate weight is gate_up[e, :I] +
+    scale * gate_B[e] @ gate_A[e], and likewise up and down. Run as grouped GEMMs beside the base ones
+    (x A^T, then B^T), never as merged weights: the base weights' gradients are then not computed at all
+    when they are frozen, and no (E, 2I, D) delta is materialised."""
+
+    gate_A: torch.Tensor
+    gate_B: torch.Tensor
+    up_A: torch.Tensor
+    up_B: torch.Tensor
+    down_A: torch.Tensor
+    down_B: torch.Tensor
+
+
+def _t(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-2, -1)
+
+
 def _swiglu_forward(
-    xs: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows grouped by expert -> (pre-activation (S, 2I), outputs (S, D)); `w` (S,) fp32 row weights or None."""
-    gu = _grouped_mm(xs, gate_up.transpose(-2, -1), offs)
+    xs: torch.Tensor,
+    offs: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    w: torch.Tensor | None,
+    ad: Adapters | None = None,
+    scale: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Rows grouped by expert -> (pre-activation (S, 2I), outputs (S, D), the adapters' (S, 2r) and (S, r)
+    low-rank activations, or () without adapters); `w` (S,) fp32 row weights or None."""
+    gu = _grouped_mm(xs, _t(gate_up), offs)
+    acts: tuple[torch.Tensor, ...] = ()
+    if ad is not None:
+        r = ad.gate_A.shape[1]
+        xa = _grouped_mm(xs, _t(torch.cat([ad.gate_A, ad.up_A], dim=1)), offs)  # (S, 2r)
+        dg = _grouped_mm(xa[:, :r].contiguous(), _t(ad.gate_B), offs)
+        du = _grouped_mm(xa[:, r:].contiguous(), _t(ad.up_B), offs)
+        gu = gu + torch.cat([dg, du], dim=-1) * scale
     g, u = gu.chunk(2, dim=-1)
     h = F.silu(g) * u
     if w is not None:
         h = (h.float() * w.unsqueeze(-1)).to(h.dtype)
-    return gu, _grouped_mm(h, down.transpose(-2, -1), offs)
+    ys = _grouped_mm(h, _t(down), offs)
+    if ad is not None:
+        ha = _grouped_mm(h, _t(ad.down_A), offs)  # (S, r)
+        ys = ys + _grouped_mm(ha, _t(ad.down_B), offs) * scale
+        acts = (xa, ha)
+    return gu, ys, acts
 
 
 def _swiglu_backward(
@@ -162,24 +206,49 @@ def _swiglu_backward(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     w: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of `_swiglu_forward` given d outputs: -> (d xs, d gate_up, d down, d w (S,) fp32 or None).
-    silu(gate) * up is recomputed from the saved pre-activation."""
+    ad: Adapters | None = None,
+    scale: float = 0.0,
+    acts: tuple[torch.Tensor, ...] = (),
+    base_grads: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Adapters | None]:
+    """Gradients of `_swiglu_forward` given d outputs: -> (d xs, d gate_up, d down, d w (S,) fp32 or None,
+    the adapters' gradients or None). silu(gate) * up is recomputed from the saved pre-activation; the base
+    weights' gradients are None when not `base_grads` (frozen under LoRA)."""
     g, u = gu.chunk(2, dim=-1)
     act = F.silu(g)
     h = act * u
-    dh = _grouped_mm(dys, down, offs)  # (S, I): d of the down projection's input
+    dh = _grouped_mm(dys, down, offs)  # (S, I): d of the down projection's (weighted) input
+    if ad is not None:
+        xa, ha = acts
+        dha = _grouped_mm(dys, ad.down_B, offs) * scale  # (S, r)
+        dh = dh + _grouped_mm(dha, ad.down_A, offs)
     dw = None
     if w is not None:
         dw = (dh.float() * h.float()).sum(-1)
         wide = w.unsqueeze(-1)
         h = (h.float() * wide).to(h.dtype)
         dh = (dh.float() * wide).to(dh.dtype)
-    d_down = _grouped_mm(dys.t(), h, offs)  # (E, D, I)
+    d_down = _grouped_mm(dys.t(), h, offs) if base_grads else None  # (E, D, I)
     dgu = torch.cat([torch.ops.aten.silu_backward(dh * u, g), dh * act], dim=-1)
-    d_gate_up = _grouped_mm(dgu.t(), xs, offs)  # (E, 2I, D)
+    d_gate_up = _grouped_mm(dgu.t(), xs, offs) if base_grads else None  # (E, 2I, D)
     dxs = _grouped_mm(dgu, gate_up, offs)  # (S, D)
-    return dxs, d_gate_up, d_down, dw
+    if ad is None:
+        return dxs, d_gate_up, d_down, dw, None
+    r, i = ad.gate_A.shape[1], ad.gate_B.shape[1]
+    dg, du = dgu[:, :i].contiguous(), dgu[:, i:].contiguous()
+    xg, xu = xa[:, :r].contiguous(), xa[:, r:].contiguous()
+    dxa = torch.cat([_grouped_mm(dg, ad.gate_B, offs), _grouped_mm(du, ad.up_B, offs)], dim=-1) * scale
+    d_a = _grouped_mm(dxa.t(), xs, offs)  # (E, 2r, D)
+    dxs = dxs + _grouped_mm(dxa, torch.cat([ad.gate_A, ad.up_A], dim=1), offs)
+    grads = Adapters(
+        gate_A=d_a[:, :r],
+        gate_B=_grouped_mm(dg.t(), xg, offs) * scale,
+        up_A=d_a[:, r:],
+        up_B=_grouped_mm(du.t(), xu, offs) * scale,
+        down_A=_grouped_mm(dha.t(), h, offs),
+        down_B=_grouped_mm(dys.t(), ha, offs) * scale,
+    )
+    return dxs, d_gate_up, d_down, dw, grads
 
 
 def _sum_per_token(t: torch.Tensor, rows: _Rows, n: int, k: int) -> torch.Tensor:
@@ -201,24 +270,39 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, order, offs, gate_up, down):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weights, order, offs, gate_up, down, scale, *lora):  # noqa: ANN001, ANN205
         n, k = weights.shape
+        ad = Adapters(*lora) if lora else None
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
-        gu, ys = _swiglu_forward(rows.take(x, per=k), rows.offs, gate_up, down, w)
-        ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down)
+        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), rows.offs, gate_up, down, w, ad, scale)
+        ctx.scale = scale
+        ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down, *acts, *lora)
         return _sum_per_token(ys, rows, n, k)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
-        x, weights, order, offs, gu, gate_up, down = ctx.saved_tensors
+        x, weights, order, offs, gu, gate_up, down, *rest = ctx.saved_tensors
+        acts, ad = _split_saved(rest)
         n, k = weights.shape
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
         dys, xs = rows.take(dout.contiguous(), per=k), rows.take(x, per=k)
-        dxs, d_gate_up, d_down, dw = _swiglu_backward(dys, xs, gu, rows.offs, gate_up, down, w)
+        base = any(ctx.needs_input_grad[4:6])
+        dxs, d_gate_up, d_down, dw, d_ad = _swiglu_backward(
+            dys, xs, gu, rows.offs, gate_up, down, w, ad, ctx.scale, acts, base
+        )
         dx = _sum_per_token(dxs, rows, n, k)
-        return dx, dw.index_select(0, rows.back).view(n, k).to(weights.dtype), None, None, d_gate_up, d_down
+        dweights = dw.index_select(0, rows.back).view(n, k).to(weights.dtype)
+        return dx, dweights, None, None, d_gate_up, d_down, None, *(d_ad or ())
+
+
+def _split_saved(rest: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Adapters | None]:
+    """The saved tensors after the base ones: () and None without adapters, else the two low-rank
+    activations and the six adapter tensors."""
+    if not rest:
+        return (), None
+    return tuple(rest[:2]), Adapters(*rest[2:])
 
 
 def routed_experts(
@@ -227,37 +311,54 @@ def routed_experts(
     weights: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    adapters: Adapters | None = None,
+    scale: float = 0.0,
 ) -> torch.Tensor:
     """x (N, D), idx (N, k) expert ids, weights (N, k) fp32 -> (N, D): sum_j weights[:, j] * expert_{idx[:, j]}(x),
-    each expert a SwiGLU, in x's dtype."""
+    each expert a SwiGLU (plus its LoRA adapters scaled by `scale`, if given), in x's dtype."""
     order, offs = group_by_expert(idx, gate_up_proj.shape[0])
-    return _RoutedExperts.apply(x, weights, order, offs, gate_up_proj, down_proj)
+    return _RoutedExperts.apply(x, weights, order, offs, gate_up_proj, down_proj, scale, *(adapters or ()))
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, offs, gate_up, down):  # noqa: ANN001, ANN205
+    def forward(ctx, xs, offs, gate_up, down, scale, *lora):  # noqa: ANN001, ANN205
+        ad = Adapters(*lora) if lora else None
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
-        gu, ys = _swiglu_forward(rows.take(xs) if rows.padded else xs, rows.offs, gate_up, down, None)
-        ctx.save_for_backward(xs, offs, gu, gate_up, down)
+        gu, ys, acts = _swiglu_forward(
+            rows.take(xs) if rows.padded else xs, rows.offs, gate_up, down, None, ad, scale
+        )
+        ctx.scale = scale
+        ctx.save_for_backward(xs, offs, gu, gate_up, down, *acts, *lora)
         return ys.index_select(0, rows.back) if rows.padded else ys
 
     @staticmethod
     def backward(ctx, dys):  # noqa: ANN001, ANN205
-        xs, offs, gu, gate_up, down = ctx.saved_tensors
+        xs, offs, gu, gate_up, down, *rest = ctx.saved_tensors
+        acts, ad = _split_saved(rest)
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         dys = dys.contiguous()
         if rows.padded:
             dys, xs = rows.take(dys), rows.take(xs)
-        dxs, d_gate_up, d_down, _ = _swiglu_backward(dys, xs, gu, rows.offs, gate_up, down, None)
-        return (dxs.index_select(0, rows.back) if rows.padded else dxs), None, d_gate_up, d_down
+        base = any(ctx.needs_input_grad[2:4])
+        dxs, d_gate_up, d_down, _, d_ad = _swiglu_backward(
+            dys, xs, gu, rows.offs, gate_up, down, None, ad, ctx.scale, acts, base
+        )
+        dxs = dxs.index_select(0, rows.back) if rows.padded else dxs
+        return dxs, None, d_gate_up, d_down, None, *(d_ad or ())
 
 
 def grouped_swiglu(
-    xs: torch.Tensor, offs: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    xs: torch.Tensor,
+    offs: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    adapters: Adapters | None = None,
+    scale: float = 0.0,
 ) -> torch.Tensor:
-    """Rows sorted by expert (expert e's rows end at offs[e]) -> each row through its expert's SwiGLU."""
-    return _GroupedSwiGLU.apply(xs, offs, gate_up_proj, down_proj)
+    """Rows sorted by expert (expert e's rows end at offs[e]) -> each row through its expert's SwiGLU (and
+    LoRA adapters)."""
+    return _GroupedSwiGLU.apply(xs, offs, gate_up_proj, down_proj, scale, *(adapters or ()))
 
 
 def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

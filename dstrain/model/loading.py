@@ -12,7 +12,7 @@ from torch import nn
 
 from .config import ModelConfig, get_config
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
-from .lora import LORA_SUFFIXES
+from .lora import is_lora_key
 from .model import DeepSeekLM, is_expert_bias
 from .reader import HFReader
 
@@ -93,7 +93,7 @@ def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
 def local_tensors(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The weights a checkpoint holds: parameters and the expert bias; LoRA adapters only when asked (a
     Hugging Face folder has none)."""
-    out = [(n, p) for n, p in model.named_parameters() if adapters or not n.endswith(LORA_SUFFIXES)]
+    out = [(n, p) for n, p in model.named_parameters() if adapters or not is_lora_key(n)]
     return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n)]
 
 

@@ -142,10 +142,14 @@ class Router(nn.Module):
             self.e_score_correction_bias = bias.to(device=new.device, dtype=torch.float32)
         return self
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, D) -> (N, E) fp32: routing is decided in fp32 whatever the training precision."""
+        return F.linear(x.float(), self.weight.float())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, D) -> scores (N, E) fp32, expert indices (N, k), combine weights (N, k) fp32."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = self.logits(x)
         if cfg.scoring_func == "sigmoid":
             scores = logits.sigmoid()
         else:

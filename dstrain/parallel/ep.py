@@ -15,7 +15,8 @@ import torch
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
 
-from dstrain.model.experts import combine, group_by_expert, grouped_swiglu
+from dstrain.model.experts import Adapters, combine, group_by_expert, grouped_swiglu
+from dstrain.model.lora import EXPERT_ADAPTERS, LoRAExperts
 from dstrain.model.model import Experts, MoE
 
 from .comm import all_to_all, exchange_counts
@@ -28,6 +29,8 @@ def group_name(ep: int) -> str:
 
 
 class ExpertParallelExperts(_DeepSpeedMoE):
+    """This rank's experts of one MoE layer, and their LoRA adapters when the layer has them."""
+
     def __init__(self, experts: Experts, g: Groups) -> None:
         nn.Module.__init__(self)  # not DeepSpeed's MoE.__init__: no gate, no experts of its own
         ep, rank = g.dims.ep, g.ep_rank
@@ -36,7 +39,10 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         self.first = rank * self.num_local_experts
         self.ep_size, self.ep_group = ep, g.ep
         self.expert_group_name = group_name(ep)
-        for name in ("gate_up_proj", "down_proj"):
+        self.lora = isinstance(experts, LoRAExperts)
+        if self.lora:
+            self.r, self.alpha, self.scale = experts.r, experts.alpha, experts.scale
+        for name in ("gate_up_proj", "down_proj", *(EXPERT_ADAPTERS if self.lora else ())):
             full = getattr(experts, name)
             local = full.detach()[self.first : self.first + self.num_local_experts].clone()
             param = nn.Parameter(local, requires_grad=full.requires_grad)
@@ -44,6 +50,8 @@ class ExpertParallelExperts(_DeepSpeedMoE):
             param.group_name = self.expert_group_name
             param.ep_shard = (0, rank, ep)
             setattr(self, name, param)
+
+    reset_adapter = LoRAExperts.reset_adapter  # init_adapters: this rank's slice of the whole adapters
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """The engine calls this on DeepSpeed MoE modules; dstrain has made the groups already."""
@@ -62,7 +70,10 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten(), output_size=sum(recv))
         by_expert = expert_of_row.argsort(stable=True)
         offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
-        ys = grouped_swiglu(xs[by_expert], offs, self.gate_up_proj, self.down_proj)
+        adapters = Adapters(*(getattr(self, n) for n in EXPERT_ADAPTERS)) if self.lora else None
+        ys = grouped_swiglu(
+            xs[by_expert], offs, self.gate_up_proj, self.down_proj, adapters, self.scale if self.lora else 0.0
+        )
         ys = torch.empty_like(ys).index_copy(0, by_expert, ys)
         ys = all_to_all(ys, recv, send, self.ep_group)
         return combine(ys, order, weights)

@@ -9,6 +9,11 @@ used by every head (DeepSpeed's AutoTP misses this one and trains with wrong gra
 MLPs (dense layers and shared experts): gate/up keep rows, down keeps columns, output all-reduced. Routed
 experts and the router stay replicated (shard them with expert parallelism).
 
+LoRA adapters follow their base weight's split. A column-split linear keeps the rows of B for its output rows
+and the whole A: x A^T enters the split B through `copy_to_group`, so A's gradient (and x's through it) sums
+every rank's rows. A row-split linear keeps A's columns for its input slice; the partial x A^T is summed
+over the ranks (r wide) before the whole B. A replicated linear keeps whole adapters.
+
 Sharded parameters carry `tp_shard = (dim, rank, size)`: how checkpoints reassemble them and how the global
 grad norm counts them (replicated parameters are counted once, sharded ones on every rank).
 """
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 from dstrain.model.kernels import Linear, linear
+from dstrain.model.lora import LoRALinear
 from dstrain.model.model import MLA, MLP
 
 from .comm import copy_to_group, reduce_from_group, sync_grad_tail
@@ -55,8 +61,48 @@ class RopeKeySyncLinear(Linear):
         return sync_grad_tail(linear(x, self.weight, self.bias), self.rope_dim, self.tp_group)
 
 
+class ColumnParallelLoRA(LoRALinear):
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        return base + linear(copy_to_group(linear(x, self.lora_A), self.tp_group), self.lora_B) * self.scale
+
+
+class RowParallelLoRA(LoRALinear):
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_from_group(linear(x, self.weight), self.tp_group)
+        xa = reduce_from_group(linear(x, self.lora_A), self.tp_group)
+        out = out + linear(xa, self.lora_B) * self.scale
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class RopeKeySyncLoRA(LoRALinear):
+    tp_group = None
+    rope_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight, self.bias) + self.delta(x)
+        return sync_grad_tail(out, self.rope_dim, self.tp_group)
+
+
+LORA_KIND = {
+    ColumnParallelLinear: ColumnParallelLoRA,
+    RowParallelLinear: RowParallelLoRA,
+    RopeKeySyncLinear: RopeKeySyncLoRA,
+}
+
+
+def _mark(p: nn.Parameter, dim: int, rank: int, size: int) -> None:
+    p.tp_shard = (dim, rank, size)
+    p.tensor_model_parallel = True  # DeepSpeed's marker, for its own bookkeeping
+
+
 def _swap(old: nn.Linear, cls: type, dim: int | None, g: Groups) -> Linear:
-    """A `cls` holding this rank's slice of `old` along weight dim `dim` (None: the whole weight)."""
+    """A `cls` holding this rank's slice of `old` along weight dim `dim` (None: the whole weight); the LoRA
+    version of `cls` with adapters sliced to match when `old` has adapters."""
     size, rank = g.dims.tp, g.tp_rank
     w = old.weight.detach()
     bias = old.bias.detach() if old.bias is not None else None
@@ -70,12 +116,30 @@ def _swap(old: nn.Linear, cls: type, dim: int | None, g: Groups) -> Linear:
         new.bias = nn.Parameter(bias.clone(), requires_grad=old.bias.requires_grad)
     new.tp_group = g.tp
     if dim is not None:
-        new.weight.tp_shard = (dim, rank, size)
-        new.weight.tensor_model_parallel = True  # DeepSpeed's marker, for its own bookkeeping
+        _mark(new.weight, dim, rank, size)
         if bias is not None and dim == 0:
-            new.bias.tp_shard = (0, rank, size)
-            new.bias.tensor_model_parallel = True
-    return new
+            _mark(new.bias, 0, rank, size)
+    return _with_adapters(new, old, dim, g) if isinstance(old, LoRALinear) else new
+
+
+def _with_adapters(new: Linear, old: LoRALinear, dim: int | None, g: Groups) -> LoRALinear:
+    """`new` (a swapped base) as its LoRA kind, holding the slices of `old`'s adapters its split needs:
+    B's rows under a column split (dim 0), A's columns under a row split (dim 1)."""
+    size, rank = g.dims.tp, g.tp_rank
+    out = LORA_KIND[type(new)].__new__(LORA_KIND[type(new)])
+    nn.Module.__init__(out)
+    out.in_features, out.out_features = new.in_features, new.out_features
+    out.weight = new.weight
+    out.register_parameter("bias", new.bias)
+    out.r, out.alpha, out.scale = old.r, old.alpha, old.scale
+    out.tp_group = new.tp_group
+    for name, split in (("lora_A", dim == 1), ("lora_B", dim == 0)):
+        t, t_grad = getattr(old, name).detach(), getattr(old, name).requires_grad
+        p = nn.Parameter((t.chunk(size, dim=dim)[rank] if split else t).clone(), requires_grad=t_grad)
+        if split:
+            _mark(p, dim, rank, size)
+        setattr(out, name, p)
+    return out
 
 
 def apply_tensor_parallel(model: nn.Module, g: Groups) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dstrain.errors import ConfigError
 from dstrain.model import DeepSeekLM
-from dstrain.model.lora import apply_lora, lora_modules
+from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
 
 from .options import LoRAOptions
 
@@ -15,17 +15,25 @@ def apply_finetune_options(model: DeepSeekLM, lora: LoRAOptions, seed: int) -> l
     frozen (train_router, train_mtp). The expert bias is a buffer, governed by --moe_bias_update_speed alone.
     Returns the adapted module names ([] without LoRA)."""
     names: list[str] = []
+    if lora.lora_r > 0 and lora.train_router and "gate" in lora.targets:
+        raise ConfigError(
+            f"--lora_targets {lora.lora_targets} adapts the routers (gate) and --train_router trains them in "
+            "full: choose one"
+        )
     if lora.lora_r > 0:
         try:
             names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets, seed=seed)
         except ValueError as exc:
             raise ConfigError(f"--lora_targets {lora.lora_targets}: {exc}") from None
-    adapted = {id(m.weight) for m in lora_modules(model).values()}
+    adapted = {
+        id(p) for m in lora_modules(model).values() for n, p in m.named_parameters() if not is_lora_key(n)
+    }
     for p in model.mtp.parameters():
         if id(p) not in adapted:  # a LoRA base weight stays frozen whatever train_mtp says
             p.requires_grad = lora.train_mtp
     for router in model.routers():
-        router.weight.requires_grad = lora.train_router
+        if not isinstance(router, LoRARouter):
+            router.weight.requires_grad = lora.train_router
     if names:
         model.lora_settings.update(
             train_router=bool(lora.train_router),

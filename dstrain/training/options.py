@@ -236,7 +236,8 @@ class LoRAOptions:
     lora_targets: str = "q_b_proj,kv_b_proj,o_proj,shared_experts"
     """Comma-separated module names (as in Hugging Face checkpoints) to adapt under LoRA: a name selects the
     linears of that name or inside a module of that name (shared_experts = its gate/up/down_proj; o_proj
-    includes the MTP blocks). The routed experts and the router are not linears and cannot be named."""
+    includes the MTP blocks); `experts` adapts every routed expert's gate/up/down (per expert its own A and
+    B), `gate` the routers (not together with --train_router)."""
     train_router: bool | None = None
     """Train the MoE routers' weights. Default: yes in a full fine-tune, no under LoRA (every base weight
     frozen); --train_router opts in under LoRA. The expert bias is governed by --moe_bias_update_speed alone."""

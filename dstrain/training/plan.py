@@ -121,13 +121,16 @@ def prepare(opts: Options, world: int | None = None, model: ModelConfig | None =
         raise ConfigError(f"--sp {dims.sp} must divide --seq_len {opts.data.seq_len}")
     if dims.sp > 1 and opts.model.compile:
         raise ConfigError(f"--sp {dims.sp} with --compile: not supported yet (run eager)")
-    if opts.lora.lora_r and dims.tp > 1:
-        raise ConfigError(
-            f"--lora_r {opts.lora.lora_r} with --tp {dims.tp}: LoRA under tensor parallelism is not supported"
-        )
     if os.path.isdir(opts.model.model):
         check_model_folder(opts.model.model, cfg)
-    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, user.notes)
+    notes = user.notes
+    lora = opts.lora
+    if lora.lora_r % 8 and "experts" in lora.targets:  # experts.py: r is a grouped GEMM's inner size
+        notes += (
+            f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
+            "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
+        )
+    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, notes)
 
 
 def _accumulation_from_train_batch(opts: Options, user: UserFile, world: int) -> Options:

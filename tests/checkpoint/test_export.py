@@ -60,11 +60,9 @@ def test_user_errors_exit_2(trained, tmp_path, capsys):
     assert ex.main([str(tmp_path), "--out", str(tmp_path / "y")]) == 2
     assert "not a dstrain checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
-    # an adapter needs LoRA; shared-expert adapters would hit the peft trap
+    # an adapter needs LoRA (shared-expert adapters are written in the serving layout: test_lora.py)
     assert ex.main([str(trained["full"]), "--out", str(tmp_path / "a"), "--adapter_only"]) == 2
     assert "no LoRA adapters" in capsys.readouterr().err
-    assert ex.main([str(trained["lora3"]), "--out", str(tmp_path / "b"), "--adapter_only"]) == 2
-    assert "onto the routed experts" in capsys.readouterr().err
 
 
 def test_lora_merged_export(trained, tmp_path):
@@ -113,7 +111,7 @@ def fake_checkpoint(path, model, source):
     return path
 
 
-def test_adapter_only_loads_with_peft(tmp_path, capsys):
+def test_adapter_only_loads_with_peft(tmp_path, caplog):
     from peft import PeftModel
     from transformers import DeepseekV3ForCausalLM
 
@@ -139,13 +137,31 @@ def test_adapter_only_loads_with_peft(tmp_path, capsys):
     ids = torch.randint(0, 320, (2, 20))
     with torch.no_grad():
         assert (hf(input_ids=ids, use_cache=False).logits - ours(ids).logits).abs().max() <= 1e-5
-    # trained routers cannot travel in an adapter
-    again = from_pretrained(base, dtype=torch.float32)
-    opts = make_options([*args[:-1], "--train_router"])
+    # routers trained in full (weights and expert bias changed), expert and router adapters: the routers
+    # travel as modules_to_save (peft loads them, vLLM would refuse: a warning says so)
+    again = from_pretrained(base, dtype=torch.float32).eval()
+    opts = make_options(["--lora_r", "4", "--lora_targets", "o_proj,experts", "--train_router"])
     apply_finetune_options(again, opts.lora, opts.run.seed)
+    randomize_adapters(again)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for r in again.routers():
+            r.weight.add_(0.1 * torch.randn(r.weight.shape, generator=g))
+            r.e_score_correction_bias.add_(0.05 * torch.randn(r.e_score_correction_bias.shape, generator=g))
     ckpt2 = fake_checkpoint(tmp_path / "r" / "step_00000000", again, base)
-    assert ex.main([str(ckpt2), "--out", str(tmp_path / "a2"), "--adapter_only"]) == 2
-    assert "the routers were trained too" in capsys.readouterr().err
+    out2 = tmp_path / "a2"
+    assert ex.main([str(ckpt2), "--out", str(out2), "--adapter_only", "--dtype", "float32"]) == 0
+    assert "modules_to_save, which peft loads and vLLM refuses" in caplog.text
+    conf = json.loads((out2 / "adapter_config.json").read_text())
+    routers = [
+        f"model.{n}" for n, _ in again.named_modules() if n.startswith("layers.") and n.endswith(".gate")
+    ]
+    assert conf["modules_to_save"] == routers and "up_proj" in conf["target_modules"]
+    hf = PeftModel.from_pretrained(
+        DeepseekV3ForCausalLM.from_pretrained(base, dtype=torch.float32), out2
+    ).eval()
+    with torch.no_grad():
+        assert (hf(input_ids=ids, use_cache=False).logits - again(ids).logits).abs().max() <= 1e-5
 
 
 def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):

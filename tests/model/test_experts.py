@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dstrain.model.experts import combine, group_by_expert, grouped_swiglu, routed_experts
+from dstrain.model.experts import Adapters, combine, group_by_expert, grouped_swiglu, routed_experts
 from tests.conftest import tiny_config
 
 
@@ -98,6 +98,67 @@ def test_expert_parallel_pieces_compose_to_the_same_layer(align, monkeypatch):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def _adapters(e=6, d=16, i=8, r=4, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(e, r, d), (e, i, r), (e, r, d), (e, i, r), (e, r, i), (e, d, r)]
+    return Adapters(*((0.3 * torch.randn(s, generator=g)).to(dtype).requires_grad_() for s in shapes))
+
+
+def _merged(gate_up, down, ad, scale):
+    """The effective expert weights, by plain autograd from the adapters: what the grouped adapters equal."""
+    i = gate_up.shape[1] // 2
+    gate = gate_up[:, :i] + scale * ad.gate_B @ ad.gate_A
+    up = gate_up[:, i:] + scale * ad.up_B @ ad.up_A
+    return torch.cat([gate, up], dim=1), down + scale * ad.down_B @ ad.down_A
+
+
+@pytest.mark.parametrize(
+    ("dtype", "r", "tol"),
+    [
+        (torch.float32, 4, 1e-5),  # grouped_mm
+        (torch.float32, 3, 1e-5),  # r not a multiple of 4: the exact per-group fallback
+        (torch.float64, 4, 1e-6),  # the exact fallback; the combine sums in fp32
+        (torch.bfloat16, 8, 3e-2),
+    ],
+)
+@pytest.mark.parametrize("frozen", [True, False])
+@pytest.mark.parametrize("align", [1, 16])
+def test_expert_adapters_equal_merged_weights(dtype, r, tol, frozen, align, monkeypatch):
+    """Per-expert LoRA run as grouped GEMMs beside the base ones: output and every gradient (the adapters',
+    x's, the routing weights', and the base weights' when they train) equal the experts with merged weights
+    W + s B A; frozen base weights get no gradient computed."""
+    import dstrain.model.experts as experts
+
+    monkeypatch.setattr(experts, "group_alignment", lambda like: align)
+    x, idx, w, gate_up, down = _inputs(dtype=dtype)
+    if frozen:
+        gate_up.requires_grad_(False), down.requires_grad_(False)
+    ad, scale = _adapters(r=r, dtype=dtype), 1.5
+    dout = torch.randn(x.shape).to(dtype)
+    leaves = [x, w, *ad] + ([] if frozen else [gate_up, down])
+    got = routed_experts(x, idx, w, gate_up, down, ad, scale)
+    got_grads = torch.autograd.grad(got, leaves, dout)
+    want = reference(x, idx, w, *_merged(gate_up, down, ad, scale))
+    want_grads = torch.autograd.grad(want, leaves, dout)
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+    assert rel(got, want) <= tol
+    names = ["x", "weights", *Adapters._fields, "gate_up", "down"]
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert a.dtype == b.dtype and rel(a, b) <= tol, (name, rel(a, b))
+
+    # expert parallel's pieces take the same adapters
+    order, offs = group_by_expert(idx, gate_up.shape[0])
+    ys = grouped_swiglu(x[order // idx.shape[1]], offs, gate_up, down, ad, scale)
+    pieces = combine(ys, order, w)
+    assert rel(pieces, got) <= tol
+    for name, a, b in zip(names, torch.autograd.grad(pieces, leaves, dout), got_grads):
+        assert rel(a, b) <= tol, (name, rel(a, b))
+
+
 def test_group_offsets_are_computed_on_the_device_in_one_sort():
     idx = torch.tensor([[3, 0], [3, 1], [0, 3]])
     order, offs = group_by_expert(idx, 5)
@@ -106,14 +167,21 @@ def test_group_offsets_are_computed_on_the_device_in_one_sort():
     assert order.tolist() == [1, 4, 3, 0, 2, 5]  # stable: token order within an expert
 
 
-def test_whole_model_compiles_fullgraph_no_host_sync():
+@pytest.mark.parametrize("lora", [False, True])
+def test_whole_model_compiles_fullgraph_no_host_sync(lora):
     """A host sync (.tolist(), .item()) or Python branch on data in any block breaks the graph, which
     fullgraph=True turns into an error: the whole model's forward, MoE and MTP included, and the backward
-    AOTAutograd traces with it (a sync there fails the trace)."""
+    AOTAutograd traces with it (a sync there fails the trace). With LoRA on the experts, the routers and
+    the attention too."""
     from dstrain.model import build_model
+    from dstrain.model.lora import apply_lora
+    from tests.model.test_lora import randomize_adapters
 
     torch._dynamo.reset()
     model = build_model(tiny_config(), seed=0)
+    if lora:
+        apply_lora(model, 4, 8.0, ["experts", "gate", "q_b_proj", "o_proj"])
+        randomize_adapters(model)
     ids = torch.randint(0, 256, (2, 16))
 
     def step(forward):
@@ -122,11 +190,11 @@ def test_whole_model_compiles_fullgraph_no_host_sync():
         return out.loss.detach(), out.expert_load
 
     eager_loss, eager_load = step(model)
-    eager_grads = [p.grad.clone() for p in model.parameters()]
+    eager_grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     model.zero_grad()
     loss, load = step(torch.compile(model, fullgraph=True))
     assert torch.allclose(loss, eager_loss, rtol=1e-5) and torch.equal(load, eager_load)
-    for p, g in zip(model.parameters(), eager_grads):
+    for p, g in zip([p for p in model.parameters() if p.requires_grad], eager_grads, strict=True):
         assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
 
 

@@ -1,4 +1,5 @@
-"""LoRA as a module transform: adapters on exactly the named linears, one-line refusals, exact merge."""
+"""LoRA as a module transform: adapters on exactly the named linears, routed experts and routers, one-line
+refusals, exact merge."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ import pytest
 import torch
 
 from dstrain.model import build_model
-from dstrain.model.lora import LoRALinear, apply_lora, lora_modules, lora_state, merge_lora
+from dstrain.model.lora import (
+    EXPERT_ADAPTERS,
+    LoRAExperts,
+    LoRALinear,
+    LoRARouter,
+    apply_lora,
+    is_lora_key,
+    lora_modules,
+    lora_state,
+    merge_lora,
+)
 from tests.conftest import tiny_config
 
 DEFAULT_TARGETS = ["q_b_proj", "kv_b_proj", "o_proj", "shared_experts"]
@@ -15,8 +26,9 @@ DEFAULT_TARGETS = ["q_b_proj", "kv_b_proj", "o_proj", "shared_experts"]
 def randomize_adapters(model, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.copy_(0.2 * torch.randn(m.lora_B.shape, generator=g))
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def expected_default(n_layers: int = 2, moe_from: int = 1) -> set[str]:
@@ -53,16 +65,43 @@ def test_adapters_land_exactly_on_the_named_modules():
 @pytest.mark.parametrize(
     ("targets", "message"),
     [
-        (["experts"], "routed experts: fused 3-D parameters, not nn.Linear"),
-        (["o_proj", "gate"], "is the MoE router, not an nn.Linear"),
         (["nothing_here"], "matches no module"),
-        (["input_layernorm"], "is not an nn.Linear"),
+        (["input_layernorm"], "'input_layernorm' \\(RMSNorm\\) cannot take LoRA"),
+        (["embed_tokens"], "'embed_tokens' \\(Embedding\\) cannot take LoRA"),
     ],
 )
 def test_unadaptable_targets_are_one_line_errors(targets, message):
     with pytest.raises(ValueError, match=message) as info:
         apply_lora(build_model(tiny_config(), seed=0), 4, 8.0, targets)
     assert "\n" not in str(info.value)
+
+
+def test_routed_experts_and_routers_take_per_expert_adapters():
+    cfg = tiny_config()
+    model = build_model(cfg, seed=0)
+    names = apply_lora(model, 4, 8.0, ["experts", "gate"])
+    moe = ["layers.1.mlp", "mtp.0.block.mlp"]
+    assert names == [f"{m}.{p}" for m in moe for p in ("gate", "experts")]
+    e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts, router = model.layers[1].mlp.experts, model.layers[1].mlp.gate
+    assert isinstance(experts, LoRAExperts) and isinstance(router, LoRARouter)
+    shapes = {n: tuple(p.shape) for n, p in experts.named_parameters() if is_lora_key(n)}
+    assert shapes == {
+        "gate_lora_A": (e, 4, d), "gate_lora_B": (e, i, 4), "up_lora_A": (e, 4, d),
+        "up_lora_B": (e, i, 4), "down_lora_A": (e, 4, i), "down_lora_B": (e, d, 4),
+    }  # fmt: skip
+    assert (router.lora_A.shape, router.lora_B.shape) == ((4, d), (e, 4))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    want = {f"{m}.gate.lora_{ab}" for m in moe for ab in "AB"}
+    assert trainable == want | {f"{m}.experts.{a}" for m in moe for a in EXPERT_ADAPTERS}
+    # B zero: the adapted model starts as the base; A as nn.Linear would initialise each expert's (r, in)
+    assert not experts.down_lora_B.any() and not router.lora_B.any()
+    a = experts.down_lora_A
+    assert 0.7 / i**0.5 < a.abs().max() <= 1 / i**0.5 and not torch.equal(a[0], a[1])
+    assert router.e_score_correction_bias is model.layers[1].mlp.gate.e_score_correction_bias
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, build_model(cfg, seed=0)(ids).logits)
 
 
 def test_merge_equals_base_plus_scaled_BA():
@@ -80,5 +119,34 @@ def test_merge_equals_base_plus_scaled_BA():
     assert not lora_modules(model) and set(model.state_dict()) == set(build_model(tiny_config()).state_dict())
     for n, (w, a, b) in before.items():
         assert torch.allclose(model.get_submodule(n).weight, w + 1.5 * b @ a, atol=1e-6), n
+    with torch.no_grad():
+        assert (model(ids).logits - want).abs().max() <= 1e-5
+
+
+def test_merge_of_expert_and_router_adapters_is_exact_per_expert():
+    """merged = base + scale * B_e @ A_e for every expert's gate, up and down, and the router; the merged
+    model's logits equal the adapted model's."""
+    model = build_model(tiny_config(), seed=0).eval()
+    names = apply_lora(model, 4, 6.0, ["experts", "gate", "o_proj"])
+    randomize_adapters(model)
+    experts = model.layers[1].mlp.experts
+    ad = {n: getattr(experts, n).detach().clone() for n in EXPERT_ADAPTERS}
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    router = model.layers[1].mlp.gate
+    r_w, r_a, r_b = (t.detach().clone() for t in (router.weight, router.lora_A, router.lora_B))
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert merge_lora(model) == names and not lora_modules(model)
+    assert set(model.state_dict()) == set(build_model(tiny_config()).state_dict())
+    i = gate_up.shape[1] // 2
+    merged = model.layers[1].mlp.experts
+    for e in range(gate_up.shape[0]):
+        gate = gate_up[e, :i] + 1.5 * ad["gate_lora_B"][e] @ ad["gate_lora_A"][e]
+        up = gate_up[e, i:] + 1.5 * ad["up_lora_B"][e] @ ad["up_lora_A"][e]
+        assert torch.allclose(merged.gate_up_proj[e], torch.cat([gate, up]), atol=1e-6)
+        dn = down[e] + 1.5 * ad["down_lora_B"][e] @ ad["down_lora_A"][e]
+        assert torch.allclose(merged.down_proj[e], dn, atol=1e-6)
+    assert torch.allclose(model.layers[1].mlp.gate.weight, r_w + 1.5 * r_b @ r_a, atol=1e-6)
     with torch.no_grad():
         assert (model(ids).logits - want).abs().max() <= 1e-5

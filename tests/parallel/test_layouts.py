@@ -14,7 +14,7 @@ import re
 import pytest
 
 from tests.conftest import launch, tiny_config
-from tests.parallel.worker import DATA, GLOBAL_ROWS, RESHARD, STEPS, common
+from tests.parallel.worker import DATA, GLOBAL_ROWS, LORA, RESHARD, STEPS, common
 from tests.training.support import make_options, reference_run
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 TWO = ["dp2_z1", "dp2_z2", "dp2_z3", "pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
 TWO += ["sp2_z1", "sp2_z2", "sp2_z3", "sp2_ep2"]  # sequence parallel: each rank half of every row
 FOUR = ["dp4_z1", "pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
+TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' split over the EP ranks
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,19 @@ def reference():
     opts = make_options(common(1).split())
     state: dict = {}
     hist = reference_run(tiny_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state)
+    return hist, state
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    from dstrain.model import build_model
+    from dstrain.training.finetune import apply_finetune_options
+
+    opts = make_options([*common(1).split(), *LORA.split()])
+    model = build_model(tiny_config(), seed=opts.run.seed)
+    apply_finetune_options(model, opts.lora, opts.run.seed)
+    state: dict = {}
+    hist = reference_run(tiny_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state, model=model)
     return hist, state
 
 
@@ -42,7 +56,7 @@ def _launch(tmp, nproc: int, layouts: list[str], src=None):
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("par2")
-    return tmp, _launch(tmp, 2, TWO)
+    return tmp, _launch(tmp, 2, TWO + TWO_LORA)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +69,13 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _check(tmp, name: str, got: dict, reference) -> dict[str, float]:
+def _check(tmp, name: str, got: dict, reference, lora: bool = False) -> dict[str, float]:
     from dstrain.checkpoint.weights import iter_weights
 
     ref_hist, ref_state = reference
     dev = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0}
     for g, want in zip(got["history"], ref_hist, strict=True):
-        assert want["grad_norm"] > 0.5  # the clip binds every step
+        assert lora or want["grad_norm"] > 0.5  # the clip binds every step (the adapters' norm is smaller)
         dev["loss"] = max(dev["loss"], _rel(g["loss"], want["loss"]))
         dev["grad_norm"] = max(dev["grad_norm"], _rel(g["grad_norm"], want["grad_norm"]))
     ckpt = tmp / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
@@ -86,8 +100,9 @@ def _check(tmp, name: str, got: dict, reference) -> dict[str, float]:
     # Weights after 5 Adam steps get 2e-5: Adam turns the rounding of a near-zero gradient element into a
     # step of up to lr (seen: one element of kv_a_proj_with_mqa at 1.02e-5 in TP2 and ZeRO-3); the loss and
     # the grad norm, which every element feeds, are held to 1e-5.
+    # Adapters: an idle expert's tiny gradient, amplified the same way, up to 2.6e-5 (test_finetune.py).
     for k, v in dev.items():
-        assert v <= (2e-5 if k == "param" else 1e-5), (name, k, v)
+        assert v <= ((1e-4 if lora else 2e-5) if k == "param" else 1e-5), (name, k, v)
     return dev
 
 
@@ -96,6 +111,12 @@ def test_two_rank_layouts_match_one_process(two_rank, reference, name):
     tmp, res = two_rank
     dev = _check(tmp, name, res[name], reference)
     print(name, dev, f"step {sorted(h['step_time_s'] for h in res[name]['history'])[2]:.3f}s")
+
+
+@pytest.mark.parametrize("name", TWO_LORA)
+def test_lora_layouts_match_one_process(two_rank, lora_reference, name):
+    tmp, res = two_rank
+    print(name, _check(tmp, name, res[name], lora_reference, lora=True))
 
 
 @pytest.mark.parametrize("name", FOUR)
@@ -148,15 +169,16 @@ def resharded(two_rank, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run", [f"{t}@{s}" for n in (1, 2, 4) for t, s in RESHARD[n]])
-def test_resume_on_another_layout(two_rank, resharded, reference, run):
-    """A checkpoint of one layout continues on another (world size, ZeRO stage, PP/TP/EP degree): the 5
-    resumed steps' losses and grad norms are the uninterrupted run's (the source layout's own, and one
-    process's) within 1e-5."""
+def test_resume_on_another_layout(two_rank, resharded, reference, lora_reference, run):
+    """A checkpoint of one layout continues on another (world size, ZeRO stage, PP/TP/EP degree; LoRA
+    adapters, per-expert ones included, and their moments): the 5 resumed steps' losses and grad norms are
+    the uninterrupted run's (the source layout's own, and one process's) within 1e-5."""
     source = run.split("@")[1]
     got = resharded[run]
+    one = (lora_reference if "lora" in run else reference)[0][3:]
     assert [h["step"] for h in got] == list(range(4, STEPS + 1))
     dev = {}
-    for label, want in (("source", two_rank[1][source]["history"][3:]), ("one process", reference[0][3:])):
+    for label, want in (("source", two_rank[1][source]["history"][3:]), ("one process", one)):
         for key in ("loss", "grad_norm"):
             dev[f"{label} {key}"] = max(_rel(g[key], w[key]) for g, w in zip(got, want, strict=True))
     print(run, {k: f"{v:.1e}" for k, v in dev.items()})

@@ -18,6 +18,12 @@ from tests.conftest import ROOT
 from tests.training.support import eval_rows, make_options, make_trainer
 
 GLOBAL_ROWS = 4
+# LoRA on every kind of target: attention (under TP: split and replicated linears), shared experts, every
+# routed expert, the routers.
+LORA = (
+    "--lora_r 4 --lora_alpha 8 --lora_targets "
+    "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts,gate"
+)
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
@@ -44,12 +50,17 @@ LAYOUTS = {  # name -> flags
     "dp1_z0": "--config {out}/zero0.json",  # no ZeRO: torch's AdamW holds the moments itself
     "dp4_z2": "--config zero2",
     "dp4_z3": "--config zero3",
+    # LoRA (test_layouts.py::test_lora_layouts_match_one_process, and resumed on other layouts)
+    "ep2_lora": f"--config zero2 --ep 2 {LORA}",
+    "dp1_lora": f"--config zero1 {LORA}",
+    "tp2_lora": f"--config zero1 --tp 2 {LORA}",
 }
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
     1: [("dp1_z1", "dp2_z1"), ("dp1_z2", "dp2_z2"), ("dp1_z3", "dp2_z3"), ("dp1_z1", "ep2_z1")]
-    + [("dp1_z1", "pp2"), ("dp1_z1", "tp2"), ("dp1_z0", "dp2_z3")],
-    2: [("ep2_z2", "dp2_z2"), ("dp2_z1", "pp2"), ("pp2", "dp2_z1"), ("tp2", "dp2_z1"), ("sp2_z1", "dp2_z1")],
+    + [("dp1_z1", "pp2"), ("dp1_z1", "tp2"), ("dp1_z0", "dp2_z3"), ("dp1_lora", "ep2_lora")],
+    2: [("ep2_z2", "dp2_z2"), ("dp2_z1", "pp2"), ("pp2", "dp2_z1"), ("tp2", "dp2_z1"), ("sp2_z1", "dp2_z1")]
+    + [("tp2_lora", "ep2_lora")],
     4: [("dp4_z1", "dp2_z1"), ("dp4_z2", "dp2_z2"), ("dp4_z3", "dp2_z3")],
 }
 # Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
@@ -72,8 +83,10 @@ FINETUNE = {
     "ft_pp2": "--config zero1 --pp 2",
     "ft_tp2": "--config zero1 --tp 2",
     "ft_ep2": "--config zero2 --ep 2",
-    "ft_z3_lora": "--config zero3 --lora_r 4 --lora_alpha 8",
-    "ft_pp2_lora": "--config zero1 --pp 2 --lora_r 4 --lora_alpha 8",
+    "ft_z3_lora": f"--config zero3 {LORA}",
+    "ft_pp2_lora": f"--config zero1 --pp 2 {LORA}",
+    "ft_tp2_lora": f"--config zero1 --tp 2 {LORA}",
+    "ft_ep2_lora": f"--config zero2 --ep 2 {LORA}",
     "ft_z3_hpz": "--config {out}/zero3_hpz.json",  # ZeRO++ secondary partitions: filled through one rank
 }
 FT_STEPS = 3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dstrain.model import build_model
+from dstrain.model.lora import EXPERT_ADAPTERS
 from dstrain.training.finetune import apply_finetune_options
 from tests.conftest import launch, tiny_config
 from tests.model.test_lora import expected_default
@@ -39,8 +40,16 @@ def test_finetune_options_freeze_and_unfreeze_explicitly():
     full = trainable(["--no-train_router"])
     everything = {n for n, _ in build_model(tiny_config(), seed=0).named_parameters()}
     assert full == everything - routers
-    with pytest.raises(ValueError, match="--lora_targets gate:.*router"):
-        trainable(["--lora_r", "2", "--lora_targets", "gate"])
+    # experts and routers as targets: their adapters train, their base weights stay frozen (the MTP block's
+    # adapters too, unless --train_mtp)
+    moe = trainable(["--lora_r", "2", "--lora_targets", "experts,gate"])
+    assert moe == {
+        f"layers.1.mlp.{m}.{p}"
+        for m, parts in (("gate", ("lora_A", "lora_B")), ("experts", EXPERT_ADAPTERS))
+        for p in parts
+    }
+    with pytest.raises(ValueError, match="adapts the routers \\(gate\\) and --train_router trains them"):
+        trainable(["--lora_r", "2", "--lora_targets", "o_proj,gate", "--train_router"])
 
 
 def test_lora_training_changes_only_adapters(trained):
@@ -107,3 +116,14 @@ if __name__ == "__main__":
     finally:
         dist.shutdown()
     dist.finish()
+
+
+def test_expert_lora_rank_off_the_grouped_kernel_is_noted():
+    from dstrain.training.plan import prepare
+
+    def notes(r: str, targets: str) -> str:
+        opts = make_options(["--lora_r", r, "--lora_targets", targets])
+        return " ".join(prepare(opts, 1, model=tiny_config()).notes)
+
+    assert "--lora_r 6: the routed experts' adapters run one GEMM per expert" in notes("6", "o_proj,experts")
+    assert "lora_r" not in notes("8", "o_proj,experts") + notes("6", "o_proj")
