@@ -15,12 +15,13 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
   without `overlap_comm` and pipeline stages keep every gradient to the end of backward; ZeRO-3 keeps a flat
   partition and one bucket all along. A layer's own gradients exist whole while its backward runs.
 - Activations, from what each op saves for backward (`dstrain/model`; tested against autograd's saved
-  tensors): RMSNorm its input in fp32 and x·rsqrt(...); MLA the normed inputs and latents, SDPA's q, k, v,
-  output and log-sum-exp; the router fp32 scores and routing indices; the routed experts' Function only the
-  (tokens·k, 2I) pre-activation and permutation (`experts.py`), under expert parallelism also the rows
-  received and the fp32 combine input (`parallel/ep.py`); SwiGLU MLPs four (tokens, I) tensors; each
-  cross-entropy through the head (main and MTP) d input and a head-sized d weight (`loss.py`). Activation
-  checkpointing keeps a block's (or sublayer's) input and recomputes the rest during its backward.
+  tensors): RMSNorm its input in fp32 and x·rsqrt(...); MLA the normed inputs and latents, the attention
+  kernel's q, k, v, output and log-sum-exp; the router fp32 scores and routing indices; the routed experts'
+  Function only the (tokens·k, 2I) pre-activation and permutation (`experts.py`), under expert parallelism
+  also the rows received and the fp32 combine input (`parallel/ep.py`); SwiGLU MLPs four (tokens, I)
+  tensors; each cross-entropy through the head (main and MTP) d input and a head-sized d weight
+  (`loss.py`). Activation checkpointing keeps a block's (or sublayer's) input and recomputes the rest
+  during its backward.
 - Working memory: the running layer's temporaries — one chunk of logits and its fp32 log-softmax, the
   experts' gathered rows and intermediates, all-to-all copies, recomputed activations in backward.
 - Peak: the static part plus the largest of the forward (activations so far and the running layer's
@@ -31,9 +32,9 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
   stay until the last of them.
 
 Approximated or not modelled: routing is balanced (uneven expert loads change the rows per rank), plain
-causal rows (packed documents add a (B, 1, T, T) mask off CUDA), sequence parallelism only divides the
-tokens, LoRA is estimated as a full fine-tune, torch.compile as eager, and the rope tables, biases and
-routing counts (well under 1%) are left out.
+causal rows (packed documents add a (B, 1, T, T) mask where SDPA runs them: CUDA without a varlen kernel),
+sequence parallelism only divides the tokens, LoRA is estimated as a full fine-tune, torch.compile as
+eager, and the rope tables, biases and routing counts (well under 1%) are left out.
 """
 
 from __future__ import annotations
@@ -231,8 +232,8 @@ class _Shapes:
         # fp32: the kv norm's saved input is a view of the whole (latent | rotary key) projection
         out += self.norm(rkv) + (n * c.qk_rope_head_dim * 4 if a == 4 else 0) + n * rkv * a
         qk = n * h * c.qk_head_dim * a
-        if self.cpu:  # the CPU flash kernel takes one head dim: v and the output are padded to qk_head_dim
-            core = 4 * qk
+        if self.cpu:  # the CPU kernel's (B * H, T, d) copies of q, k and v, and its output
+            core = 2 * qk + 2 * n * h * c.v_head_dim * a
         else:  # SDPA's saved v is a view of kv_b's output, which stays whole
             core = 2 * qk + n * h * (c.qk_nope_head_dim + 2 * c.v_head_dim) * a
         return out + core + 4 * n * h + n * h * c.v_head_dim * a  # + log-sum-exp, o_proj's input
