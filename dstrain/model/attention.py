@@ -188,18 +188,18 @@ def attend(
         else:
             out = varlen_attn(*qkv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
         return out[..., :dv].reshape(b, t, h, dv)
-    dtype = q.dtype
     if q.device.type == "cpu":
         # (B, T, H, d) -> (B * H, T, d) rows in the compute dtype (see kernels.compute_dtype)
-        rows = [x.to(compute_dtype(q)).transpose(1, 2).reshape(b * h, t, -1) for x in (q, k, v)]
+        cdtype = compute_dtype(q)
+        rows = [x.to(cdtype).transpose(1, 2).reshape(b * h, t, -1) for x in (q, k, v)]
         out = _cpu_attention(*rows, scale, layout.doc)[0]
-        return out.view(b, h, t, dv).transpose(1, 2).to(dtype)
+        return out.view(b, h, t, dv).transpose(1, 2).to(q.dtype)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if layout.causal_only:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale)
-    return out.transpose(1, 2).to(dtype)
+    return out.transpose(1, 2)
 
 
 CPU_BLOCK_ROWS = 64  # query rows per block: 64 ran faster than 128 or 256 at T 512 (fp32 and bf16)

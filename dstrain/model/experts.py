@@ -252,24 +252,36 @@ def _swiglu_backward(
 
 
 def _sum_per_token(t: torch.Tensor, rows: _Rows, n: int, k: int) -> torch.Tensor:
-    """(n, ...): each token's k buffer rows of `t` summed, accumulated in fp32, in t's dtype. On the CPU a
-    scatter-add by token (index_add_ is deterministic there, and twice as fast as gathering the rows back:
-    2.3 vs 4.8 ms for 24576 x 512 fp32); elsewhere the gather and sum (index_add_ on CUDA uses atomics), and
-    under torch.compile, which fuses the gather into the sum but makes index_add_ a scatter loop 30x slower
-    than eager's (34 ms vs ~1 ms, `fine` fp32)."""
-    if torch.compiler.is_compiling():
-        # k indexed loads added in fp32: one pointwise kernel; the gather-then-sum form became a reduction
-        # over the middle axis that inductor vectorised badly on some shapes (28 ms vs 0.8 ms, `fine-b` bf16)
-        slots = rows.back.view(n, k)
-        acc = t.index_select(0, slots[:, 0]).float()
-        for j in range(1, k):
-            acc = acc + t.index_select(0, slots[:, j]).float()
-        return acc.to(t.dtype)
-    if t.device.type != "cpu":
-        return t.index_select(0, rows.back).view(n, k, *t.shape[1:]).sum(dim=1)
+    """(n, ...): each token's k buffer rows of `t` summed, accumulated in fp32, in t's dtype. In eager on the
+    CPU a scatter-add by token (index_add_ is deterministic there, and twice as fast as gathering the rows
+    back: 2.3 vs 4.8 ms for 24576 x 512 fp32; under torch.compile inductor makes it a scatter loop 30x slower
+    than eager's, 34 ms vs ~1 ms); elsewhere the gather of `_slot_sum` (index_add_ on CUDA uses atomics)."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return _slot_sum(t, rows.back, n, k)
     acc = t.new_zeros((n + 1, *t.shape[1:]), dtype=torch.float32)  # row n: padding rows land there
     acc.index_add_(0, rows.slot // k, t.float())
     return acc[:n].to(t.dtype)
+
+
+def _slot_sum(
+    t: torch.Tensor, back: torch.Tensor, n: int, k: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(n, D): sum over j of weights[i, j] * t[back[i * k + j]] (unweighted without `weights` (n, k) fp32),
+    accumulated in fp32, in t's dtype: token i's k slots gathered back from their rows."""
+    if torch.compiler.is_compiling():
+        # k indexed loads added in fp32: one pointwise kernel; the gather-then-sum form became a reduction
+        # over the middle axis that inductor vectorised badly on some shapes (28 ms vs 0.8 ms, `fine-b` bf16)
+        slots = back.view(n, k)
+        acc = None
+        for j in range(k):
+            row = t.index_select(0, slots[:, j]).float()
+            row = row if weights is None else row * weights[:, j : j + 1]
+            acc = row if acc is None else acc + row
+        return acc.to(t.dtype)
+    gathered = t.index_select(0, back).view(n, k, *t.shape[1:])
+    if weights is None:
+        return gathered.sum(dim=1)
+    return (gathered.float() * weights.unsqueeze(-1)).sum(dim=1).to(t.dtype)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -375,5 +387,4 @@ def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> tor
     """Expert outputs of the (token, slot) rows in `order` -> (N, D): the routing-weighted sum per token, in
     fp32, returned in ys's dtype."""
     n, k = weights.shape
-    slots = ys.index_select(0, _inverse(order)).view(n, k, -1)
-    return (slots.float() * weights.unsqueeze(-1)).sum(dim=1).to(ys.dtype)
+    return _slot_sum(ys, _inverse(order), n, k, weights)
