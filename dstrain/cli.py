@@ -11,7 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dstrain.train", "train a model (same as `python dstrain/train.py`)"),
     "data": ("dstrain.data.cli", "inspect data: `dstrain data audit`, `dstrain data stats`"),
     "plan": (
-        "dstrain.training.planner",
+        "dstrain.memory.planner",
         "predicted peak memory per GPU of a run, a fits / does-not-fit verdict, the layouts that fit",
     ),
     "smoke": ("dstrain.model.smoke", "forward/backward/step of a preset model on random tokens"),

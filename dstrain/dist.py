@@ -42,7 +42,7 @@ def launcher_world_size() -> int:
     return 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +67,7 @@ def _fill_env() -> None:
     if "MASTER_PORT" not in env:
         if int(env["WORLD_SIZE"]) > 1:
             raise UserError("MASTER_PORT is not set: launch with deepspeed, torchrun or srun (see launch/)")
-        env["MASTER_PORT"] = str(_free_port())
+        env["MASTER_PORT"] = str(free_port())
 
 
 def pick_accelerator() -> str:

@@ -21,7 +21,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dstrain.training.app import main as app_main
+    from dstrain.training.cli import main as app_main
 
     return app_main(argv)
 

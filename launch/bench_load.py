@@ -47,9 +47,9 @@ def write_folder(path: Path) -> None:
 def worker(folder: str, flags: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     from dstrain import dist
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
     from dstrain.training.build import build_for_training
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import prepare
 
     plan = prepare(
         parse_options(["--model", folder, *flags.split(), "--micro_batch_size", "1", "--seq_len", "64"])

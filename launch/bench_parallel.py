@@ -37,9 +37,9 @@ def worker(nproc: int) -> None:
     import torch
 
     from dstrain import dist
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
     from dstrain.model import ModelConfig
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import prepare
     from dstrain.training.trainer import Trainer
 
     info = dist.init_distributed()

@@ -5,7 +5,7 @@
 
 Each layout builds a fresh Trainer (hidden 256, 4 layers of which 3 MoE with 16 experts top-4 and 1 shared,
 MTP 1, vocabulary 8192; fp32; micro batch 2 x 256 tokens) and trains 3 steps under
-`dstrain.training.memtrack.AllocationTracker`: the peak of live tensor bytes allocated by torch on the rank,
+`dstrain.memory.measure.AllocationTracker`: the peak of live tensor bytes allocated by torch on the rank,
 from before the model is built through the third step (the CPU analogue of torch.cuda.max_memory_allocated,
 which is what the estimate predicts; see memtrack.py). Step 1 creates AdamW's moments and step 2 runs with
 ZeRO-3's complete parameter trace, so the peak counted is max(setup, step 3) (see `steady_peak`). The DeepSpeed configs are the
@@ -57,7 +57,7 @@ def model_config():  # noqa: ANN201 - a dstrain ModelConfig
 
 def small_bucket_config(name: str, out: str) -> str:
     """The shipped config `name` with BUCKET-element reduce / all-gather / prefetch buckets."""
-    from dstrain.training.ds_config import config_path
+    from dstrain.config.ds_config import config_path
 
     ds = json.loads(config_path(name).read_text())
     zero = ds["zero_optimization"]
@@ -71,7 +71,7 @@ def small_bucket_config(name: str, out: str) -> str:
 
 
 def options(flags: str, tmp: str):  # noqa: ANN201 - dstrain Options
-    from dstrain.training.options import parse_options
+    from dstrain.config.options import parse_options
 
     args = flags.split()
     i = args.index("--config")
@@ -100,9 +100,9 @@ def worker(names: list[str], out: str) -> None:
     import torch.distributed as tdist
 
     from dstrain import dist
-    from dstrain.training.memory import Workload, estimate
-    from dstrain.training.memtrack import AllocationTracker
-    from dstrain.training.plan import prepare
+    from dstrain.config.plan import prepare
+    from dstrain.memory.estimate import Workload, estimate
+    from dstrain.memory.measure import AllocationTracker
     from dstrain.training.trainer import Trainer
 
     info = dist.init_distributed()

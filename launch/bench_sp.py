@@ -9,7 +9,7 @@ Rows are single documents (causal attention without a document mask: the long-co
 rows run varlen kernels whose memory is linear in the length too, while the CPU's SDPA needs a (T, T) mask
 that every rank of a sequence-parallel group builds whole). Memory: the peak bytes of tensors created during
 one training step (forward, backward, AdamW) above what lived before it, from the CPU allocator's events
-(`dstrain.training.memtrack`, what `dstrain plan` is checked against); the max over the 2 ranks. Each (sp, length) is a fresh Trainer doing one
+(`dstrain.memory.measure`, what `dstrain plan` is checked against); the max over the 2 ranks. Each (sp, length) is a fresh Trainer doing one
 warm-up step, one timed step and one profiled step.
 """
 
@@ -34,10 +34,10 @@ def worker(lengths: list[int], out: str) -> None:
     import torch
 
     from dstrain import dist
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.memory.measure import AllocationTracker
     from dstrain.model import ModelConfig
-    from dstrain.training.memtrack import AllocationTracker
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import prepare
     from dstrain.training.trainer import Trainer
 
     info = dist.init_distributed()

@@ -88,9 +88,9 @@ class Repeat:
 
 def _trainer(stage: int, precision: str, world: int, out_dir: str, info, cfg: ModelConfig):  # noqa: ANN001
     """A set-up Trainer for ZeRO `stage` (0-3: the shipped config of that stage, or zero1's set to 0)."""
-    from dstrain.training.ds_config import load_ds_config
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import prepare
+    from dstrain.config.ds_config import load_ds_config
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
     from dstrain.training.trainer import Trainer
 
     _, raw = load_ds_config(f"zero{max(stage, 1)}")

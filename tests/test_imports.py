@@ -1,12 +1,14 @@
 """The import graph points only downward: `python -m pytest tests/test_imports.py` checks every import
 statement in the package (top level or inside a function) against the floors below.
 
-    entry points   cli.py, train.py
-    training       the run plan, the trainer, options, metrics
+    entry points   cli.py, train.py, __main__.py
+    training       the run: the trainer, metrics, plots, preemption
+    memory         `dstrain plan`: estimate, layout search, measurement
+    config         options, the DeepSpeed file, the resolved run plan
     checkpoint     the store, layout-free weights, LoRA files, export
     parallel       layouts applied to the built model          data   (self-contained)
     model          single-device model, HF format
-    base           errors, atomic, batch, fields, dist
+    base           errors, atomic, batch, fields, cmdline, dist
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.tiny import ROOT
 
 PACKAGE = ROOT / "dstrain"
 FLOORS = {
@@ -25,10 +27,12 @@ FLOORS = {
     "data": {"base"},
     "parallel": {"base", "model"},
     "checkpoint": {"base", "model", "parallel"},
-    "training": {"base", "model", "data", "parallel", "checkpoint"},
-    "entry": {"base", "model", "data", "parallel", "checkpoint", "training"},
+    "config": {"base", "model", "data", "parallel", "checkpoint"},
+    "memory": {"base", "model", "parallel", "config"},
+    "training": {"base", "model", "data", "parallel", "checkpoint", "config", "memory"},
+    "entry": {"base", "model", "data", "parallel", "checkpoint", "config", "memory", "training"},
 }
-ENTRY_POINTS = {"cli", "train"}
+ENTRY_POINTS = {"cli", "train", "__main__"}
 
 
 def floor_of(module: str) -> str:

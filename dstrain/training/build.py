@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM, ModelConfig, build_model
 from dstrain.model.loading import (
     check_folder,
@@ -33,7 +34,6 @@ from dstrain.model.reader import HFReader
 from dstrain.parallel.pipe import Objective
 
 from .finetune import apply_finetune_options
-from .plan import RunPlan
 
 
 @dataclass

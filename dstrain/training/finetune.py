@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
+from dstrain.config.options import LoRAOptions
 from dstrain.errors import ConfigError
 from dstrain.model import DeepSeekLM
 from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
-
-from .options import LoRAOptions
 
 
 def apply_finetune_options(model: DeepSeekLM, lora: LoRAOptions, seed: int) -> list[str]:

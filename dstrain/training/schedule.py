@@ -11,10 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from .options import ScheduleOptions
-
-# DeepSpeed scheduler names that a ds config's "scheduler.type" may use, and the dstrain shape each one means.
-DS_SCHEDULER_TYPES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
+from dstrain.config.options import ScheduleOptions
 
 
 def lr_at(step: int, s: ScheduleOptions) -> float:

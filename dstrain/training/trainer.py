@@ -19,6 +19,7 @@ from dstrain import dist
 from dstrain.batch import sequence_halo, sequence_shard
 from dstrain.checkpoint import store
 from dstrain.checkpoint.reshard import optimizer_progress
+from dstrain.config.plan import RunPlan
 from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses, flops_per_token
@@ -28,7 +29,6 @@ from .build import build_for_training
 from .evaluate import Evaluator, local_batches
 from .metrics import Display, MetricsSink, Profiler, device_peak_tflops
 from .objective import StepStats, Weights, count_targets
-from .plan import RunPlan
 from .preempt import Preemption
 from .schedule import make_scheduler_factory
 

@@ -17,11 +17,11 @@ from dstrain.model import from_pretrained
 from dstrain.model.hf import SAFE_INDEX
 from dstrain.model.lora import lora_modules, merge_lora
 from dstrain.training.finetune import apply_finetune_options
-from tests.conftest import byte_tokenizer
-from tests.model.hf_fixtures import make_hf_model, read_folder, v2_config, v3_config
+from tests.helpers.hf import make_hf_model, read_folder, v2_config, v3_config
+from tests.helpers.runs import read_weights, train
+from tests.helpers.tiny import byte_tokenizer
+from tests.helpers.trainer import make_options
 from tests.model.test_lora import expected_default, randomize_adapters
-from tests.training.runs import read_weights, train
-from tests.training.support import make_options
 
 
 def test_round_trip_is_bit_identical(trained, tmp_path, capsys):

@@ -10,8 +10,8 @@ import pytest
 from dstrain.data import DataOptions, field_help, load_tokenizer
 from dstrain.data.cli import main
 from dstrain.data.options import add_arguments, from_args
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, varied_chats, write_jsonl
+from tests.helpers.data_files import chat_rows, text_rows, varied_chats, write_jsonl
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

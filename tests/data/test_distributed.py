@@ -7,8 +7,8 @@ import pytest
 from dstrain.data import DataOptions, build_loader
 from dstrain.data.pipeline import SourceReader
 from dstrain.data.sources import resolve_sources
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import text_rows, write_jsonl
+from tests.helpers.data_files import text_rows, write_jsonl
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from dstrain.data import DataError, DataOptions, build_loader
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, write_jsonl
+from tests.helpers.data_files import chat_rows, text_rows, write_jsonl
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

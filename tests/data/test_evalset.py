@@ -8,8 +8,8 @@ import pytest
 from dstrain.data import DataOptions, build_eval_rows, build_loader
 from dstrain.data.pipeline import held_out
 from dstrain.errors import DataError
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, write_jsonl
+from tests.helpers.data_files import chat_rows, text_rows, write_jsonl
+from tests.helpers.tiny import byte_tokenizer
 
 N = 60
 

@@ -14,8 +14,8 @@ from dstrain.data.bench import read_docs, run_stats
 from dstrain.data.chat import ChatEncoder
 from dstrain.data.formats import Skip
 from dstrain.data.sources import resolve_sources
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import write_jsonl, write_parquet
+from tests.helpers.data_files import write_jsonl, write_parquet
+from tests.helpers.tiny import byte_tokenizer
 
 END = "<|im_end|>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -6,8 +6,8 @@ import torch
 
 from dstrain.data import DataOptions, build_loader
 from dstrain.data.packing import best_fit_decreasing
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, varied_chats, write_jsonl
+from tests.helpers.data_files import chat_rows, text_rows, varied_chats, write_jsonl
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dstrain.data import DataError, DataOptions, build_loader, merge_states
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, write_jsonl, write_parquet
+from tests.helpers.data_files import chat_rows, text_rows, write_jsonl, write_parquet
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

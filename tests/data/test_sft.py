@@ -9,7 +9,7 @@ from dstrain.data import load_tokenizer
 from dstrain.data.chat import ChatEncoder, apply_think
 from dstrain.data.formats import Normalizer
 from dstrain.data.options import DataOptions
-from tests.conftest import TRIMMING_TEMPLATE, byte_tokenizer
+from tests.helpers.tiny import TRIMMING_TEMPLATE, byte_tokenizer
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

@@ -9,8 +9,8 @@ from dstrain.data import DataError, DataOptions, build_loader
 from dstrain.data import sources as sources_mod
 from dstrain.data.pipeline import SourceReader
 from dstrain.data.sources import resolve_sources, split_spec
-from tests.conftest import byte_tokenizer
-from tests.data.conftest import chat_rows, text_rows, write_jsonl, write_parquet
+from tests.helpers.data_files import chat_rows, text_rows, write_jsonl, write_parquet
+from tests.helpers.tiny import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 from dstrain.data import DataError, load_tokenizer
 from dstrain.data.tokenizer import PretrainEncoder
-from tests.conftest import byte_tokenizer
+from tests.helpers.tiny import byte_tokenizer
 
 
 def test_generation_config_eos_ends_documents(tmp_path, caplog):

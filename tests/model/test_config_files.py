@@ -69,8 +69,8 @@ def test_kimi_k2_loads_as_its_architecture_and_exports_under_its_own_name():
 
 
 def test_the_trained_balance_weight_is_what_the_export_states():
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import model_config
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import model_config
 
     base = ModelConfig.from_hf_dict(MOONLIGHT | {"aux_loss_alpha": 0.003})
     assert model_config(parse_options([]), base).to_hf_dict()["aux_loss_alpha"] == 0.003

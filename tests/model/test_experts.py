@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dstrain.model.experts import Adapters, combine, group_by_expert, grouped_swiglu, routed_experts
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 
 
 def reference(x, idx, weights, gate_up, down):

@@ -10,7 +10,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from dstrain.model import from_pretrained, get_config, save_pretrained
 from dstrain.model.hf import SAFE_INDEX, from_hf, to_hf
-from tests.model.hf_fixtures import make_hf_model, official_folder, read_folder, v3_config
+from tests.helpers.hf import make_hf_model, official_folder, read_folder, v3_config
 
 
 def test_key_table_round_trip(tmp_path):

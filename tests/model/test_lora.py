@@ -18,7 +18,7 @@ from dstrain.model.lora import (
     lora_state,
     merge_lora,
 )
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 
 DEFAULT_TARGETS = ["q_b_proj", "kv_b_proj", "o_proj", "shared_experts"]
 

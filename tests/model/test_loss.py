@@ -59,7 +59,7 @@ def test_eval_hits_count_top1_matches_like_full_logits(monkeypatch):
     argmax of the full logits over valid rows, and the model reports them for MTP depth 1 in eval mode only,
     the same through a plain (LoRA-style) head."""
     from dstrain.model import build_model
-    from tests.conftest import tiny_config
+    from tests.helpers.tiny import tiny_config
 
     monkeypatch.setattr(loss_mod, "CHUNK_ROWS", 4)
     monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dstrain.model import from_pretrained
-from tests.model.hf_fixtures import make_hf_model, v2_config, v3_config
+from tests.helpers.hf import make_hf_model, v2_config, v3_config
 
 CASES = {
     "v3_yarn_groups_bias": lambda: v3_config(),

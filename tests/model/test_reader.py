@@ -15,8 +15,8 @@ from dstrain.model.hf import SAFE_INDEX
 from dstrain.model.loading import fill_from_hf, local_tensors, materialize
 from dstrain.model.model import DeepSeekLM
 from dstrain.model.reader import HFReader
-from tests.conftest import tiny_config
-from tests.model.hf_fixtures import official_folder
+from tests.helpers.hf import official_folder
+from tests.helpers.tiny import tiny_config
 
 
 @pytest.fixture(scope="module")

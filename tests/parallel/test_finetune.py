@@ -12,10 +12,11 @@ import re
 import pytest
 import torch
 
-from tests.conftest import launch, tiny_config
-from tests.model.hf_fixtures import read_folder
+from tests.helpers.hf import read_folder
+from tests.helpers.ranks import launch
+from tests.helpers.tiny import tiny_config
+from tests.helpers.trainer import make_options, reference_run
 from tests.parallel.worker import FINETUNE, FT_STEPS, GLOBAL_ROWS, LORA, common
-from tests.training.support import make_options, reference_run
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 

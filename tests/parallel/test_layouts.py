@@ -13,9 +13,10 @@ import re
 
 import pytest
 
-from tests.conftest import launch, tiny_config
+from tests.helpers.ranks import launch
+from tests.helpers.tiny import tiny_config
+from tests.helpers.trainer import make_options, reference_run
 from tests.parallel.worker import DATA, GLOBAL_ROWS, LORA, RESHARD, STEPS, common
-from tests.training.support import make_options, reference_run
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
@@ -133,7 +134,7 @@ def test_tokens_per_s_and_mfu_count_each_token_once(two_rank, name):
     the same tokens: counting them per rank overstated tokens/s and MFU by pp x tp); MFU divides the step's
     FLOPs by the peak of all devices (--peak_tflops 1 per rank here)."""
     from dstrain.model import flops_per_token
-    from tests.training.support import SEQ
+    from tests.helpers.trainer import SEQ
 
     world, peak = 2, 1e12
     for h in two_rank[1][name]["history"]:

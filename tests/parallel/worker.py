@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT
-from tests.training.support import eval_rows, make_options, make_trainer
+from tests.helpers.tiny import ROOT
+from tests.helpers.trainer import eval_rows, make_options, make_trainer
 
 GLOBAL_ROWS = 4
 # LoRA on every kind of target: attention (under TP: split and replicated linears), shared experts, every
@@ -105,8 +105,8 @@ def trainer(
     or the HF folder `hf`."""
     if hf is not None:
         extra = f"{extra} --model {hf}"
-    from dstrain.training.plan import prepare
-    from tests.conftest import tiny_config
+    from dstrain.config.plan import prepare
+    from tests.helpers.tiny import tiny_config
 
     dp = prepare(make_options(flags.split()), info.world_size, model=tiny_config()).dims.data
     opts = make_options(f"{flags} {common(dp)} {extra}".split())
@@ -153,8 +153,8 @@ def reshard_main(out: str, src: str, runs: list[str]) -> None:
     `data_*` runs train on text through the data package's loader (GlobalRows elsewhere), GA 4 / ranks; with
     `@SOURCE`, resuming that run's step 3 (under `out`)."""
     from dstrain import dist
-    from tests.conftest import byte_tokenizer, tiny_config
-    from tests.training.support import make_options, make_trainer
+    from tests.helpers.tiny import byte_tokenizer, tiny_config
+    from tests.helpers.trainer import make_options, make_trainer
 
     info = dist.init_distributed()
     Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))

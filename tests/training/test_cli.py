@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dstrain.model import ModelConfig
-from tests.conftest import ROOT, free_port
-from tests.model.hf_fixtures import official_folder
+from tests.helpers.hf import official_folder
+from tests.helpers.ranks import free_port
+from tests.helpers.tiny import ROOT
 
 pytestmark = pytest.mark.multirank
 REQUIRED = {
@@ -201,7 +202,7 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
     from safetensors.torch import save_file
 
     from dstrain.model.hf import SAFE_INDEX
-    from dstrain.training.app import main
+    from dstrain.training.cli import main
 
     def broken(name: str, edit) -> str:  # noqa: ANN001
         path = tmp_path / name
@@ -253,7 +254,7 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from dstrain.training.plots import main as plot_main
-    from tests.data.conftest import chat_rows, write_jsonl
+    from tests.helpers.data_files import chat_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(60))
     out = tmp_path / "run"

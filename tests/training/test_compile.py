@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from tests.conftest import launch, tiny_config
-from tests.training.support import make_options, reference_run
+from tests.helpers.ranks import launch
+from tests.helpers.tiny import tiny_config
+from tests.helpers.trainer import make_options, reference_run
 
 pytestmark = pytest.mark.multirank
 TOLERANCE = 1e-5

@@ -60,8 +60,8 @@ def test_the_others_exit_in_bounded_time_naming_the_rank(tmp_path, fault, monkey
 
 
 def test_collective_timeout_is_a_positive_number_of_seconds():
+    from dstrain.config.options import parse_options
     from dstrain.errors import ConfigError
-    from dstrain.training.options import parse_options
 
     assert parse_options([]).run.collective_timeout == 600
     assert parse_options(["--collective_timeout", "2.5"]).run.collective_timeout == 2.5

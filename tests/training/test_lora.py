@@ -13,10 +13,11 @@ import torch
 from dstrain.model import build_model
 from dstrain.model.lora import EXPERT_ADAPTERS
 from dstrain.training.finetune import apply_finetune_options
-from tests.conftest import launch, tiny_config
+from tests.helpers.ranks import launch
+from tests.helpers.runs import read_weights
+from tests.helpers.tiny import tiny_config
+from tests.helpers.trainer import make_options
 from tests.model.test_lora import expected_default
-from tests.training.runs import read_weights
-from tests.training.support import make_options
 
 
 def test_finetune_options_freeze_and_unfreeze_explicitly():
@@ -91,7 +92,7 @@ def zero3_worker(out: str) -> None:
     import deepspeed
 
     from dstrain import dist
-    from tests.training.support import make_trainer
+    from tests.helpers.trainer import make_trainer
 
     info = dist.init_distributed()
     args = "--config zero3 --micro_batch_size 2 --max_steps 4 --save_every 0 --lr 1e-2 --lora_r 4"
@@ -119,7 +120,7 @@ if __name__ == "__main__":
 
 
 def test_expert_lora_rank_off_the_grouped_kernel_is_noted():
-    from dstrain.training.plan import prepare
+    from dstrain.config.plan import prepare
 
     def notes(r: str, targets: str) -> str:
         opts = make_options(["--lora_r", r, "--lora_targets", targets])

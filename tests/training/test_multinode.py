@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.helpers.ranks import free_port
+from tests.helpers.tiny import ROOT
 
 pytestmark = pytest.mark.multirank
 ARGS = [
@@ -43,7 +44,7 @@ def _torchrun(nnodes: int, node_rank: int, nproc: int, port: int, out: Path, log
         str(node_rank),
     ]
     cmd += ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    cmd += ["tests/training/audited.py", *ARGS, "--output_dir", str(out)]
+    cmd += ["tests/helpers/audited.py", *ARGS, "--output_dir", str(out)]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from dstrain.training.preempt import PREEMPTED_EXIT_CODE
-from tests.conftest import ROOT, free_port
+from tests.helpers.ranks import free_port
+from tests.helpers.tiny import ROOT
 
 pytestmark = pytest.mark.multirank
 ARGS = [

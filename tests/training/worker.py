@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from tests.conftest import ROOT
-from tests.training.support import GlobalRows, eval_rows, make_options, make_trainer
+from tests.helpers.tiny import ROOT
+from tests.helpers.trainer import GlobalRows, eval_rows, make_options, make_trainer
 
 
 def _losses(tr) -> list[float | None]:
@@ -139,11 +139,11 @@ def worker(mode: str, out: str) -> None:
             tr.run()
             res[name] = [{"loss": r["loss"], "grad_norm": r["grad_norm"]} for r in tr.history]
     elif mode == "templates":
-        # Other projects' DeepSpeed files as users bring them (tests/training/ds_templates): 1 step each on
+        # Other projects' DeepSpeed files as users bring them (tests/config/ds_templates): 1 step each on
         # the defaults, or a one-line refusal
         from dstrain.errors import ConfigError
 
-        for path in sorted(Path(ROOT, "tests", "training", "ds_templates").glob("*.json")):
+        for path in sorted(Path(ROOT, "tests", "config", "ds_templates").glob("*.json")):
             try:
                 tr = make_trainer(
                     opts_for(f"--config {path} --max_steps 1 --save_every 0"), f"{out}/{path.stem}", info

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from dstrain import dist
 from dstrain.checkpoint import store
+from dstrain.config.ds_config import RESOLVED
+from dstrain.config.options import CheckpointOptions, parse_options
+from dstrain.config.plan import prepare
 from dstrain.errors import CheckpointError, UserError
+from dstrain.memory.estimate import device_warning
 
 from . import watchdog
-from .ds_config import RESOLVED
-from .memory import device_warning
-from .options import CheckpointOptions, parse_options
-from .plan import prepare
 from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
 

@@ -22,9 +22,9 @@ from typing import Any
 from dstrain.errors import ConfigError
 
 from .options import Options
-from .schedule import DS_SCHEDULER_TYPES
 
 AUTO = "auto"
+"""A DeepSpeed value dstrain fills (the Hugging Face integration's convention)."""
 OWN_SECTION = "dstrain"
 
 # Every top-level key DeepSpeed 0.19.8's DeepSpeedConfig and the engine read (tests/training/test_ds_user.py
@@ -42,6 +42,8 @@ DEEPSPEED_KEYS = frozenset(
     vocabulary_size wall_clock_breakdown wandb weight_quantization zero_allow_untested_optimizer
     zero_force_ds_cpu_optimizer zero_optimization""".split()  # noqa: SIM905 - a list to read, not to scroll
 )
+# DeepSpeed scheduler names that a config's "scheduler.type" may use, and the dstrain shape each one means.
+DS_SCHEDULER_TYPES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
 KNOWN_KEYS = DEEPSPEED_KEYS | {OWN_SECTION, "moe"}  # `moe` is refused with a pointer to --ep (ds_config.py)
 
 # AutoTP (`tensor_parallel`) and AutoEP (`expert_parallel`) settings: the size key, and every other key with

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON files as users bring them: other projects' real templates (tests/training/ds_templates, see its
+"""DeepSpeed JSON files as users bring them: other projects' real templates (tests/config/ds_templates, see its
 SOURCES.md) run 1 step on 2 ranks or are refused in one line, and the top-level key check knows every key
 DeepSpeed reads."""
 
@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from dstrain.training.ds_user import DEEPSPEED_KEYS
-from tests.conftest import ROOT, launch
+from dstrain.config.ds_file import DEEPSPEED_KEYS
+from tests.helpers.ranks import launch
+from tests.helpers.tiny import ROOT
 
-TEMPLATES = sorted((ROOT / "tests" / "training" / "ds_templates").glob("*.json"))
+TEMPLATES = sorted((ROOT / "tests" / "config" / "ds_templates").glob("*.json"))
 REFUSED = {
     # AutoTP of 4 on 2 ranks: dstrain reads the section as TP 4, which 2 ranks cannot hold
     "dsexamples__ds_config": "world size 2 is not divisible by --pp 1 x --tp 4 = 4",

@@ -13,12 +13,12 @@ import torch
 
 from dstrain.checkpoint.store import read_model_config
 from dstrain.checkpoint.weights import iter_weights
+from dstrain.config.plan import model_config
 from dstrain.model import DeepSeekLM
 from dstrain.training.finetune import apply_finetune_options
-from dstrain.training.plan import model_config
-from tests.conftest import ROOT, byte_tokenizer
-from tests.model.hf_fixtures import official_folder
-from tests.training.support import make_options
+from tests.helpers.hf import official_folder
+from tests.helpers.tiny import ROOT, byte_tokenizer
+from tests.helpers.trainer import make_options
 
 LORA_ARGS = ["--lora_r", "4", "--lora_alpha", "8", "--no-train_router", "--no-train_mtp"]
 LORA_ARGS += ["--moe_bias_update_speed", "0", "--lr", "1e-2"]

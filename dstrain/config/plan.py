@@ -30,7 +30,7 @@ from .ds_config import (
     resolve_precision,
     write_resolved,
 )
-from .ds_user import UserFile, adopt, check_top_level, split_layout
+from .ds_file import UserFile, adopt, check_top_level, split_layout
 from .options import Options
 
 

@@ -53,7 +53,7 @@ from dstrain.model.loss import CHUNK_ELEMENTS, CHUNK_ROWS
 from dstrain.parallel import ParallelDims
 
 if TYPE_CHECKING:
-    from .plan import RunPlan
+    from dstrain.config.plan import RunPlan
 
 log = logging.getLogger(__name__)
 GIB = 2**30

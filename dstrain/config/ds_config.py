@@ -16,14 +16,12 @@ from dstrain.atomic import write_json
 from dstrain.errors import ConfigError
 from dstrain.parallel import ParallelDims
 
-from .ds_user import OWN_SECTION, UserFile
-from .ds_user import fmt_value as _fmt
+from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, UserFile
+from .ds_file import fmt_value as _fmt
 from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
-from .schedule import DS_SCHEDULER_TYPES
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 RESOLVED = "ds_config.resolved.json"
-AUTO = "auto"
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach", "fused"}
 SCHEDULER_PARAMS = {
     "WarmupCosineLR": {

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, launch
+from tests.helpers.ranks import launch
+from tests.helpers.tiny import ROOT
 
 pytestmark = pytest.mark.multirank
 

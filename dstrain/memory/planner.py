@@ -20,14 +20,14 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
+from dstrain.config.ds_config import load_ds_config
+from dstrain.config.options import Options, parse_options
+from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import ConfigError, UserError
 from dstrain.model import get_config, param_counts
 from dstrain.parallel import ParallelDims
 
-from .ds_config import load_ds_config
-from .memory import CHECKPOINTING, GIB, Estimate, Workload, estimate
-from .options import Options, parse_options
-from .plan import RunPlan, prepare
+from .estimate import CHECKPOINTING, GIB, Estimate, Workload, estimate
 
 LARGER_WORLDS = 7  # when no layout of N GPUs fits, try 2N, 4N, ... up to 128N
 OFFLOADS = ("offload_optimizer", "offload_param")

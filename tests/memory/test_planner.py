@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dstrain.training.planner import main
+from dstrain.memory.planner import main
 from tests.model.test_config_files import MOONLIGHT
 
 VERDICT = re.compile(r"^(fits|does not fit): predicted peak (\d+\.\d) GiB per rank of 80 GiB$")

@@ -5,7 +5,7 @@ then reports every allocation and free (bytes, address, time) made on the thread
 one, the autograd engine's, the collectives' it hands work to). The running sum of those events is the bytes
 of live tensor storage allocated since the block began, temporaries inside kernels included, and its maximum
 is the CPU analogue of `torch.cuda.max_memory_allocated` minus what was alive before: what
-`dstrain.training.memory` predicts. Unlike resident memory it counts no Python objects, shared libraries,
+`dstrain.memory.estimate` predicts. Unlike resident memory it counts no Python objects, shared libraries,
 thread stacks, allocator caches or page cache. Not counted: tensors alive before the block (their frees are
 ignored) and allocations on threads the profiler does not follow. A free on such a thread is not reported
 either; the allocation is closed when its address is allocated again (see `_replay`), and a caller that runs

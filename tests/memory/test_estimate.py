@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dstrain.memory.estimate import ACTS, GATHERED, PARAMS, STATES, Workload, estimate, rank_layers
 from dstrain.model import ModelConfig, build_model, get_config, param_counts
 from dstrain.parallel import ParallelDims
-from dstrain.training.memory import ACTS, GATHERED, PARAMS, STATES, Workload, estimate, rank_layers
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from tests.model.test_config_files import MOONLIGHT
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
@@ -111,9 +111,9 @@ def test_activations_are_what_autograd_saves(dtype, mode, shape):
 
 
 def test_train_warns_in_one_line_when_the_peak_exceeds_the_device():
-    from dstrain.training.memory import device_warning
-    from dstrain.training.options import parse_options
-    from dstrain.training.plan import prepare
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.memory.estimate import device_warning
 
     plan = prepare(parse_options(["--seq_len", "64"]), 1)  # the tiny preset, as `dstrain train` runs it
     assert device_warning(plan, torch.device("cpu"), 1) is None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tests.conftest import VOCAB, tiny_config
+from tests.helpers.tiny import VOCAB, tiny_config
 
 SEQ = 32
 
@@ -78,9 +78,9 @@ def reference_eval(model, rows: dict[str, torch.Tensor]) -> dict[str, float]:  #
     }
 
 
-def make_options(extra: list[str]):  # noqa: ANN201 - dstrain.training.options.Options
+def make_options(extra: list[str]):  # noqa: ANN201 - dstrain.config.options.Options
     """Options from flags, with the tests' row length and a short warmup."""
-    from dstrain.training.options import parse_options
+    from dstrain.config.options import parse_options
 
     return parse_options(["--seq_len", str(SEQ), "--warmup_steps", "2", "--lr", "3e-3", *extra])
 
@@ -100,8 +100,8 @@ def make_trainer(
     tiny test model; with `--model FOLDER` in `opts`, the folder's), the resume rule, and a GlobalRows
     loader over this rank's data-parallel share unless `loader` is given (or a `tokenizer`: the Trainer's
     own loader of --data)."""
-    from dstrain.training.app import choose_resume
-    from dstrain.training.plan import prepare
+    from dstrain.config.plan import prepare
+    from dstrain.training.cli import choose_resume
     from dstrain.training.trainer import Trainer
 
     folder = os.path.isdir(opts.model.model)

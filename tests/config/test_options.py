@@ -1,0 +1,87 @@
+"""The training options: every flag documented, recipe and flag precedence, the shipped recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dstrain.config.options import SECTIONS, build_parser, parse_options
+from dstrain.config.plan import prepare
+from dstrain.errors import ConfigError
+from dstrain.fields import field_docs
+from tests.helpers.tiny import ROOT
+
+
+def test_every_option_documented_and_in_help():
+    for name, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{name} option {f.name} has no docstring"
+    flags = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(flags) == len(set(flags)), "a flag named in two sections"
+    text = build_parser().format_help()
+    required = [
+        "--model",
+        "--data",
+        "--data_format",
+        "--tokenizer",
+        "--seq_len",
+        "--micro_batch_size",
+        "--gradient_accumulation_steps",
+        "--max_steps",
+        "--lr",
+        "--warmup_steps",
+        "--min_lr",
+        "--seed",
+        "--precision",
+        "--output_dir",
+        "--resume",
+        "--save_every",
+        "--keep_last",
+        "--activation_checkpointing",
+        "--clip_grad",
+        "--moe_bias_update_speed",
+        "--moe_aux_loss_alpha",
+        "--mtp_loss_weight",
+        "--wandb_project",
+        "--wandb_mode",
+        "--nan_policy",
+        "--debug",
+        "--config",
+        "--recipe",
+    ]
+    for flag in required:
+        assert flag in text, flag
+    assert "Peak learning rate" in text and "Tokens per packed row" in text
+
+
+def test_recipe_and_flag_precedence(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("lr = 0.01\nmax_steps = 7\n[data]\nseq_len = 48\n")
+    opts = parse_options(["--recipe", str(recipe), "--lr", "0.02"])
+    assert opts.schedule.lr == 0.02 and opts.schedule.max_steps == 7 and opts.data.seq_len == 48
+    assert parse_options([]).data.seq_len == 64  # the trainer's CPU-sized default
+    recipe.write_text("lr_rate = 0.01\n")
+    with pytest.raises(ConfigError, match="unknown option 'lr_rate'"):
+        parse_options(["--recipe", str(recipe)])
+    recipe.write_text('max_steps = "many"\n')
+    with pytest.raises(ConfigError, match="max_steps='many'"):
+        parse_options(["--recipe", str(recipe)])
+    with pytest.raises(ConfigError, match="--min_lr 0.5"):
+        parse_options(["--lr", "0.1", "--min_lr", "0.5"])
+    with pytest.raises(ConfigError, match="invalid choice"):
+        parse_options(["--precision", "fp16"])
+    with pytest.raises(ConfigError, match="seq_len"):
+        parse_options(["--seq_len", "1"])
+
+
+def test_shipped_recipes_parse_and_resolve():
+    for recipe in sorted((ROOT / "launch" / "recipes").glob("*.toml")):
+        opts = parse_options(["--recipe", str(recipe)])
+        plan = prepare(opts, 8)
+        layout = opts.layout
+        assert (
+            plan.global_batch_rows
+            == layout.micro_batch_size * layout.gradient_accumulation_steps * plan.dims.dp
+        )

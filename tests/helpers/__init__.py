@@ -1,0 +1,1 @@
+"""Test helpers, imported by the test modules and workers (never collected as tests)."""

@@ -1,0 +1,80 @@
+"""The small things every test floor shares: the repository root, a very small model config and a byte-level
+tokenizer built in memory (nothing touches the network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 256
+
+
+def tiny_config(**kw: Any):  # noqa: ANN201 - a dstrain ModelConfig
+    """A model that trains in milliseconds with every feature on: MLA with q compression, one dense and one
+    MoE layer (4 routed experts, top-2, 1 shared), MTP depth 1, nonzero balance loss and bias speed."""
+    from dstrain.model import ModelConfig
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        bias_update_speed=0.01,
+        aux_loss_alpha=0.01,
+        mtp_loss_weight=0.3,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a template that rewrites contents (trims them): forces dstrain's render-and-search path
+TRIMMING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}### {{ m['role'] }}: {{ m['content'] | trim }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+)
+SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokenizer(
+    eos: bool = True, pad: bool = True, bos: bool = True, chat_template: str | None = CHATML_TEMPLATE
+):
+    """One token per UTF-8 byte (ids 0-255) plus special tokens <s> </s> <pad> <|im_start|> <|im_end|>
+    (ids 256-260), as a `PreTrainedTokenizerFast`. Fast to build, deterministic, with exact offsets."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>" if bos else None,
+        eos_token="</s>" if eos else None,
+        pad_token="<pad>" if pad else None,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
