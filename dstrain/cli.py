@@ -1,14 +1,30 @@
-"""The `dstrain` console script. Subcommands import their module lazily so `dstrain --help` is fast."""
+"""The `dstrain` console script and the one command-line policy every subcommand runs under (`invoke`):
+
+- a user's mistake (`UserError`: a flag, a config, a path, data, a checkpoint) is one line
+  `dstrain: error: ...` on stderr and the error's exit code, never a traceback unless `--debug` is given
+  (on the command line or, for `dstrain train`, in a recipe: it is read from the parsed options);
+- an error every rank of a multi-rank job raises alike is printed once (rank 0), one that a single rank hit
+  names that rank;
+- anything else is a bug and keeps its traceback.
+
+Each subcommand's module has `parse(argv)` and `run(args) -> int`; they are imported lazily so that
+`dstrain --help` is fast."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
-# name -> (module with a `main(argv) -> int` function, one-line help)
+from dstrain import dist
+from dstrain.errors import UserError
+
+# name -> (module with `parse(argv)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("dstrain.train", "train a model (same as `python dstrain/train.py`)"),
+    "train": ("dstrain.training.cli", "train a model (same as `python dstrain/train.py`)"),
     "data": ("dstrain.data.cli", "inspect data: `dstrain data audit`, `dstrain data stats`"),
     "plan": (
         "dstrain.memory.planner",
@@ -26,6 +42,40 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def invoke(parse: Callable[[list[str]], Any], run: Callable[[Any], int | None], argv: list[str]) -> int:
+    """Parse, then run, under the policy above; -> the exit code."""
+    debug = "--debug" in argv
+    parsed = False
+    try:
+        args = parse(argv)
+        parsed = True
+        debug = bool(getattr(args, "debug", debug))
+        return int(run(args) or 0)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        line = error_line(exc, dist.env_rank(), everywhere=not parsed or exc.all_ranks)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def error_line(exc: UserError, rank: int, everywhere: bool) -> str | None:
+    """What this rank prints for `exc`: errors all ranks raise alike only on rank 0; an error that only this
+    rank knows about with its rank; nothing for an error already reported (an empty message)."""
+    if not str(exc) or (everywhere and rank != 0):
+        return None
+    where = f" (rank {rank})" if rank != 0 and exc.names_rank else ""
+    return f"dstrain: error{where}: {exc}"
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return invoke(module.parse, module.run, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -39,11 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    if argv[0] not in SUBCOMMANDS:
+        print(
+            f"dstrain: error: unknown command {argv[0]!r}; choose from {', '.join(SUBCOMMANDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    return run_command(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

@@ -34,15 +34,48 @@ class DistInfo:
         return self.rank == 0
 
 
+# (rank, world size, local rank) as each launcher names them: torchrun / deepspeed / accelerate, srun, mpirun,
+# and MPICH's PMI (no local rank).
+LAUNCHER_ENV = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", None),
+)
+
+
+def _launcher_value(column: int) -> int | None:
+    for names in LAUNCHER_ENV:
+        key = names[column]
+        if key and os.environ.get(key):
+            return int(os.environ[key])
+    return None
+
+
+def env_rank() -> int:
+    """This process's global rank as the launcher announced it (0 without a launcher)."""
+    return _launcher_value(0) or 0
+
+
 def launcher_world_size() -> int:
     """World size as the launcher announced it (1 without a launcher): known before any process group."""
-    for key in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 1
+    return _launcher_value(1) or 1
+
+
+def env_local_rank() -> int:
+    """This process's rank on its node as the launcher announced it (0 without a launcher)."""
+    return _launcher_value(2) or 0
+
+
+def group_rank_world() -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) before there is one."""
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_rank(), tdist.get_world_size()
+    return 0, 1
 
 
 def free_port() -> int:
+    """A port nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,15 +86,9 @@ def _fill_env() -> None:
     launcher at all, make a one-rank group on this machine."""
     env = os.environ
     if "RANK" not in env:
-        for rank, size, local in (
-            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ):
-            if rank in env and size in env:
-                env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = env[rank], env[size], env.get(local, "0")
-                break
-        else:
-            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        env.update(
+            RANK=str(env_rank()), WORLD_SIZE=str(launcher_world_size()), LOCAL_RANK=str(env_local_rank())
+        )
     env.setdefault("LOCAL_RANK", "0")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
@@ -85,9 +112,7 @@ def local_cuda_device() -> torch.device:
     """This rank's GPU (LOCAL_RANK, or SLURM's/Open MPI's local id), made current. A UserError when the node
     runs more ranks than it shows GPUs: two ranks on one GPU would fail inside NCCL."""
     env = os.environ
-    local = int(
-        env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or env.get("OMPI_COMM_WORLD_LOCAL_RANK") or 0
-    )
+    local = env_local_rank()
     count = torch.cuda.device_count()
     if local >= count:
         raise UserError(

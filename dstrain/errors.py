@@ -9,6 +9,10 @@ class UserError(ValueError):
     main returns."""
 
     exit_code = 2
+    all_ranks = False
+    """Raised alike by every rank of a job (an agreed decision, the NaN check): printed once."""
+    names_rank = True
+    """A rank other than 0 that prints it says which rank it is."""
 
 
 class ConfigError(UserError):
@@ -28,3 +32,11 @@ class NonFiniteLossError(UserError):
 
     exit_code = 3
     all_ranks = True
+
+
+class PeerLostError(UserError):
+    """Another rank of the job died or stopped responding (training/watchdog.py); the message, which names the
+    lost rank, is empty on the ranks that leave the report to another survivor."""
+
+    exit_code = 76  # distinct from 75 (preempted): the run is not resumable as is, a rank is gone
+    names_rank = False

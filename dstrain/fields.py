@@ -72,3 +72,40 @@ def converter(tp: Any, name: str):  # noqa: ANN202
     if tp in (int, float, str):
         return tp
     return lambda v: v
+
+
+def add_flags(parser: Any, cls: type, defaults: dict[str, Any] | None = None) -> None:
+    """One `--FIELD` flag per field of the dataclass `cls` on `parser` (a parser or an argument group): help
+    from the field's docstring and its default (`defaults` overrides what the help shows), booleans as
+    --FIELD / --no-FIELD, Literal types as choices, a field with metadata "bare" as --FIELD [MODE] (a bare flag
+    means metadata["bare"], --no-FIELD metadata["negated"]), metadata "hidden" without help. Only the flags
+    given reach the namespace (argparse.SUPPRESS), so they can override a recipe or a file."""
+    import argparse
+
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, choices, _ = base_type(hints[f.name])
+        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+        text = docs.get(f.name, "").replace("%", "%%")
+        if f.metadata.get("hidden"):
+            text = argparse.SUPPRESS
+        elif default is not None:
+            text += f" (default: {default})"
+        kw: dict[str, Any] = {"dest": f.name, "help": text, "default": argparse.SUPPRESS}
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif "bare" in f.metadata:
+            kw.update(nargs="?", const=f.metadata["bare"], choices=choices, metavar="MODE")
+            parser.add_argument(
+                f"--no-{f.name}",
+                dest=f.name,
+                action="store_const",
+                const=f.metadata["negated"],
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
+        else:
+            kw.update(type=converter(tp, f.name), metavar=f.name.upper())
+            if choices:
+                kw.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
+        parser.add_argument(f"--{f.name}", **kw)

@@ -21,9 +21,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dstrain.training.cli import main as app_main
+    from dstrain.cli import run_command
 
-    return app_main(argv)
+    return run_command("train", list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -30,3 +30,37 @@ def test_debug_shows_the_traceback(capsys):
 
     assert main(["--config", "no_such_config", "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+SUBCOMMAND_MISTAKES = {
+    "train": (["train", "--config", "no_such_config"], "--config no_such_config: no such file"),
+    "data": (["data", "audit", "--data", "/no/such/data.jsonl"], "/no/such/data.jsonl"),
+    "plan": (["plan", "--num_gpus", "0", "--gpu_memory_gb", "80"], "--num_gpus 0"),
+    "smoke": (["smoke", "--model", "gigantic"], "--model: invalid choice: 'gigantic'"),
+    "export": (["export", "/no/such/run", "--out", "/tmp/never"], "/no/such/run: no such file or folder"),
+    "plot": (["plot", "/no/such/run"], "/no/such/run"),
+    "unknown flag": (["plot", "/no/such/run", "--colour"], "unrecognized arguments: --colour"),
+    "unknown command": (["trian"], "unknown command 'trian'"),
+}
+
+
+@pytest.mark.parametrize("case", SUBCOMMAND_MISTAKES, ids=str)
+def test_every_subcommand_reports_one_line_and_the_errors_exit_code(case, capsys):
+    from dstrain.cli import main
+
+    argv, message = SUBCOMMAND_MISTAKES[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dstrain: error: ") and message in err and err.count("\n") == 1, err
+    if case != "unknown command":
+        assert main([*argv, "--debug"]) == 2
+        assert "Traceback" in capsys.readouterr().err
+
+
+def test_debug_from_a_recipe_is_read_from_the_parsed_options(tmp_path, capsys):
+    from dstrain.cli import main
+
+    recipe = tmp_path / "debug.toml"
+    recipe.write_text('config = "no_such_config"\n[logging]\ndebug = true\n')
+    assert main(["train", "--recipe", str(recipe)]) == 2
+    assert "Traceback" in capsys.readouterr().err

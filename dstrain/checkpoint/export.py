@@ -15,22 +15,22 @@ import json
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dstrain.errors import CheckpointError, ConfigError, UserError
+from dstrain.cmdline import command_parser
+from dstrain.errors import CheckpointError, ConfigError
 from dstrain.model.config import ModelConfig
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
 from dstrain.model.loading import parse_dtype
 from dstrain.model.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.model import EXPERT_BIAS, is_expert_bias
 
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_settings, write_peft_adapter
-from .store import find, read_model_config, read_state
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
+from .store import Checkpoint, open_checkpoint
 from .weights import iter_weights
 
 log = logging.getLogger("dstrain.export")
@@ -51,14 +51,6 @@ OUTPUT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json
 
 
 # ------------------------------------------------------------------ the checkpoint
-def source_model(ckpt: Path) -> str | None:
-    """The --model the run started from (a preset name or an HF folder)."""
-    try:
-        return read_state(ckpt).get("model")
-    except CheckpointError:
-        return None
-
-
 def default_dtype(cfg: ModelConfig) -> torch.dtype:
     """The dtype of the folder training started from (its config.json), else float32."""
     name = cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
@@ -149,7 +141,7 @@ def _remote_code(cfg: ModelConfig) -> list[str]:
 
 
 def export(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | Checkpoint,
     out: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     adapter_only: bool = False,
@@ -157,12 +149,10 @@ def export(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> dict[str, Any]:
     """Write the checkpoint as an HF folder (or a PEFT adapter folder). Raises UserError for user mistakes."""
-    ckpt = find(checkpoint)
-    cfg = read_model_config(ckpt)
-    lora = load_lora_settings(ckpt)
+    opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    ckpt, cfg, lora, source = opened.path, opened.config, opened.lora, opened.source
     out = Path(out)
     dt = parse_dtype(dtype) or default_dtype(cfg)
-    source = source_model(ckpt)
     if adapter_only:
         check_adapter_only(lora, cfg)
     prepare_out(out, force)
@@ -243,7 +233,7 @@ def travels_whole(lora: dict[str, Any], cfg: ModelConfig) -> Callable[[str], boo
 # ------------------------------------------------------------------ verification
 @torch.no_grad()
 def verify(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype, seq_len: int = 32
+    checkpoint: str | os.PathLike | Checkpoint, out: str | os.PathLike, dtype: torch.dtype, seq_len: int = 32
 ) -> float:
     """Max |logits| difference between transformers on the exported folder and dstrain's model built from
     the checkpoint's weights (adapters unmerged for fp32; for other dtypes merged and rounded the way the
@@ -253,9 +243,8 @@ def verify(
     from dstrain.model.loading import build_model
     from dstrain.model.lora import apply_lora, merge_lora
 
-    ckpt = find(checkpoint)
-    cfg = read_model_config(ckpt)
-    lora = load_lora_settings(ckpt)
+    opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    ckpt, cfg, lora = opened.path, opened.config, opened.lora
     ref = build_model(cfg, dtype=torch.float32, init=False)
     if lora and apply_lora(ref, int(lora["r"]), float(lora["alpha"]), lora["targets"]) != lora["modules"]:
         raise CheckpointError(f"checkpoint {ckpt}: lora.json's targets no longer select its adapted modules")
@@ -293,9 +282,9 @@ def verify(
 
 # ------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dstrain export",
-        description="Write a dstrain checkpoint as a Hugging Face folder (LoRA merged), or as a PEFT adapter.",
+    p = command_parser(
+        "dstrain export",
+        "Write a dstrain checkpoint as a Hugging Face folder (LoRA merged), or as a PEFT adapter.",
     )
     p.add_argument(
         "checkpoint", help="a checkpoint folder (…/checkpoints/step_N) or a run's output dir (its newest)"
@@ -318,31 +307,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        info = export(args.checkpoint, args.out, args.dtype, args.adapter_only, args.force)
-        dtype = info["dtype"]
-        what = "PEFT adapter" if args.adapter_only else f"{len(info['files'])} safetensors file(s)"
+def parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = open_checkpoint(args.checkpoint)
+    info = export(ckpt, args.out, args.dtype, args.adapter_only, args.force)
+    dtype = info["dtype"]
+    what = "PEFT adapter" if args.adapter_only else f"{len(info['files'])} safetensors file(s)"
+    print(
+        f"dstrain export: {info['checkpoint']} -> {info['out']} ({what}, {str(dtype).removeprefix('torch.')})"
+    )
+    if args.verify and args.adapter_only:
+        print("dstrain export: --verify applies to merged exports; skipped for --adapter_only")
+    elif args.verify:
+        diff = verify(ckpt, args.out, dtype)
+        tol = TOLERANCE[dtype]
+        ok = diff <= tol
         print(
-            f"dstrain export: {info['checkpoint']} -> {info['out']} ({what}, {str(dtype).removeprefix('torch.')})"
+            f"dstrain export: verify: max |logits diff| {diff:.3g} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}"
         )
-        if args.verify and not args.adapter_only:
-            diff = verify(info["checkpoint"], args.out, dtype)
-            tol = TOLERANCE[dtype]
-            ok = diff <= tol
-            print(
-                f"dstrain export: verify: max |logits diff| {diff:.3g} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}"
-            )
-            if not ok:
-                return 1
-        elif args.verify:
-            print("dstrain export: --verify applies to merged exports; skipped for --adapter_only")
-    except UserError as exc:
-        print(f"dstrain export: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return 0 if ok else 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,6 +25,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ from dstrain import dist
 from dstrain.atomic import write_atomic, write_json
 from dstrain.errors import CheckpointError
 from dstrain.model import ModelConfig
+from dstrain.parallel import ParallelDims
 
-from .lora import save_lora_settings
+from .lora import load_lora_settings, save_lora_settings
 from .weights import save_weights
 
 MARKER = "COMPLETE"
@@ -195,6 +197,29 @@ def read_model_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint {path}: cannot read its {MODEL_CONFIG} ({exc})") from None
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint as readers of its files (export, verify) need it, each file read once."""
+
+    path: Path
+    config: ModelConfig
+    """Its config.json."""
+    lora: dict[str, Any] | None
+    """Its LoRA settings (lora.json), None for a full fine-tune."""
+    source: str | None
+    """The --model the run started from (a preset name or an HF folder), None where unrecorded."""
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The complete checkpoint `path` names (see `find`)."""
+    ckpt = find(path)
+    try:
+        source = read_state(ckpt).get("model")
+    except CheckpointError:
+        source = None
+    return Checkpoint(ckpt, read_model_config(ckpt), load_lora_settings(ckpt), source)
+
+
 # ------------------------------------------------------------------ save / load
 def _deepspeed_state_classes() -> list[type]:
     """The non-tensor objects DeepSpeed 0.19 puts in its ZeRO 1/2/3 (fp32, bf16) checkpoints."""
@@ -286,6 +311,22 @@ def _plain_module_files(engine: Any) -> Iterator[None]:
         yield
     finally:
         engine.has_moe_layers = had
+
+
+def layout_record(dims: ParallelDims, stage: int, precision: str) -> dict[str, Any]:
+    """What DeepSpeed's per-rank checkpoint files and the ranks' data streams depend on, as a checkpoint
+    records it: resuming in another one re-shards (`load`)."""
+    d = dims
+    return {"world": d.world, "pp": d.pp, "tp": d.tp, "ep": d.ep, "sp": d.sp, "dp": d.dp,
+            "stage": stage, "precision": precision}  # fmt: skip
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """`2 ranks (dp 2, ZeRO-1, fp32)`; a record without the layout (an older dstrain): its rank count."""
+    if "dp" not in layout:
+        return f"{layout['world']} ranks"
+    dims = ParallelDims(layout["world"], **{k: layout.get(k, 1) for k in ("pp", "tp", "ep", "sp")})
+    return f"{layout['world']} rank(s) ({dims.describe()}, ZeRO-{layout['stage']}, {layout['precision']})"
 
 
 def load(engine: Any, path: Path, rank: int, layout: dict[str, Any], model: Any) -> dict[str, Any]:

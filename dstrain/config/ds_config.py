@@ -20,7 +20,8 @@ from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, UserFile
 from .ds_file import fmt_value as _fmt
 from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+# ds_configs/ at the repository root, shipped inside the package (a link in a checkout, files in a wheel)
+SHIPPED_DIR = Path(__file__).parent / "ds_configs"
 RESOLVED = "ds_config.resolved.json"
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach", "fused"}
 SCHEDULER_PARAMS = {
@@ -100,32 +101,41 @@ def resolve_precision(precision: str, raw: dict[str, Any], device_type: str) -> 
     if precision == "auto":
         if bf16 in (True, False):
             return "bf16" if bf16 else "fp32"
-        import torch
-
-        return "bf16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if native_bf16(device_type) else "fp32"
     if bf16 not in (AUTO, precision == "bf16"):
         raise ConfigError(f"ds_config bf16.enabled={_fmt(bf16)} conflicts with --precision {precision}")
     return precision
 
 
+def native_bf16(device_type: str) -> bool:
+    """Whether `device_type` computes in bf16 natively: a CUDA GPU that has it (not emulated); GPUs planned for
+    from a machine without one (`dstrain plan`) are taken to be current ones, which all have it."""
+    if device_type != "cuda":
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_ds_config(
     user: UserFile,
+    dims: ParallelDims,
     layout: LayoutOptions,
     optimizer: OptimizerOptions,
     schedule: ScheduleOptions,
     *,
-    world_size: int,
     precision: str,
+    device_type: str,
     hidden_size: int,
-) -> tuple[dict[str, Any], ParallelDims]:
-    """-> (the config deepspeed.initialize gets, holding DeepSpeed's keys only; the parallel layout). Raises
-    ConfigError naming the offending key and value."""
+) -> dict[str, Any]:
+    """-> the config deepspeed.initialize gets for `dims` on `device_type` ('cuda' or 'cpu'), holding
+    DeepSpeed's keys only. Raises ConfigError naming the offending key and value."""
     ds = copy.deepcopy(user.ds)
     zero = ds.setdefault("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
-        raise ConfigError(f"ds_config zero_optimization.stage={_fmt(stage)}: must be 0, 1, 2 or 3")
-    dims = _check_parallelism(ds, user, layout, world_size)
+    stage = zero_stage(ds)
+    _write_layout(ds, dims)
 
     mbs, ga = layout.micro_batch_size, layout.gradient_accumulation_steps
     _own(ds, "train_micro_batch_size_per_gpu", mbs, f"--micro_batch_size {mbs}", "")
@@ -146,20 +156,14 @@ def resolve_ds_config(
     bf16["enabled"] = precision == "bf16"
     ds.setdefault("fp16", {})["enabled"] = False
 
-    offload_opt = offloads_optimizer(ds)
-    offload_param = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
-    if offload_param and stage != 3:
+    offload_opt = offloaded(zero, "offload_optimizer")
+    if offloaded(zero, "offload_param") and stage != 3:
         raise ConfigError(f"ds_config zero_optimization.offload_param needs stage 3 (stage={stage})")
     if offload_opt and stage == 0:
         raise ConfigError("ds_config zero_optimization.offload_optimizer needs stage >= 1 (stage=0)")
     _resolve_optimizer(ds, optimizer, schedule, offload_opt)
     _resolve_scheduler(ds, schedule)
-    _resolve_zero_autos(zero, hidden_size)
-    for sec in ("offload_param", "offload_optimizer"):
-        if isinstance(zero.get(sec), dict) and zero[sec].get("pin_memory") == AUTO:
-            import torch
-
-            zero[sec]["pin_memory"] = torch.cuda.is_available()
+    _resolve_zero_autos(zero, hidden_size, device_type)
     # dstrain prints its own progress; DeepSpeed's every-10-steps lines would interleave with it.
     if ds.get("steps_per_print", AUTO) == AUTO:
         ds["steps_per_print"] = 2**31 - 1
@@ -168,34 +172,48 @@ def resolve_ds_config(
     leftover = _find_auto(ds)
     if leftover:
         raise ConfigError(f"ds_config {leftover}='auto': dstrain does not fill this setting; give a value")
-    return ds, dims
+    return ds
 
 
-def offloads_optimizer(ds: dict[str, Any]) -> bool:
-    """Optimizer states (and the step) on the CPU or NVMe."""
-    zero = ds.get("zero_optimization") or {}
-    return (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+def zero_stage(ds: dict[str, Any]) -> int:
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+        raise ConfigError(f"ds_config zero_optimization.stage={_fmt(stage)}: must be 0, 1, 2 or 3")
+    return stage
 
 
-def _check_parallelism(
-    ds: dict[str, Any], user: UserFile, layout: LayoutOptions, world_size: int
-) -> ParallelDims:
-    """pipeline.stages and the file's TP / EP sizes (ds_user.split_layout), filled from --pp/--tp/--ep (the flag
-    wins over "auto" or absence; an explicit different value is an error), and the layout checked."""
-    if ds.get("moe"):
-        raise ConfigError(f"ds_config moe={_fmt(ds['moe'])}: set --ep (or {OWN_SECTION}.ep_size) instead")
+OFFLOADS = ("offload_optimizer", "offload_param")
+
+
+def offloaded(zero: dict[str, Any], section: str) -> bool:
+    """Whether the zero_optimization section `zero` puts `section` (offload_optimizer: the optimizer states
+    and step; offload_param: ZeRO-3's parameters) on the CPU or NVMe."""
+    return ((zero or {}).get(section) or {}).get("device", "none") not in ("none", None)
+
+
+def _pipeline_section(ds: dict[str, Any]) -> dict[str, Any]:
     pipe = ds.get("pipeline")
     if pipe is None:
-        pipe = {}
+        return {}
     if not isinstance(pipe, dict):
         raise ConfigError(f'ds_config pipeline={_fmt(pipe)}: expected an object like {{"stages": 2}}')
     _check_keys(pipe, {"stages", "partition", "activation_checkpoint_interval", "seed_layers"}, "pipeline.")
+    return pipe
+
+
+def resolve_layout(user: UserFile, layout: LayoutOptions, world_size: int) -> ParallelDims:
+    """The parallel layout: pipeline.stages, the file's TP / EP sizes (ds_file.split_layout) and
+    sequence_parallel_size, filled from --pp/--tp/--ep/--sp (the flag wins over "auto" or absence; an explicit
+    different value is an error), checked to tile the world."""
+    ds = user.ds
+    if ds.get("moe"):
+        raise ConfigError(f"ds_config moe={_fmt(ds['moe'])}: set --ep (or {OWN_SECTION}.ep_size) instead")
     found = {
-        "pp": (pipe.get("stages", AUTO), "pipeline.stages"),
+        "pp": (_pipeline_section(ds).get("stages", AUTO), "pipeline.stages"),
         "tp": (user.tp, user.tp_key),
         "ep": (user.ep, user.ep_key),
         # DeepSpeed's Ulysses key, run by dstrain's own (MLA-aware) sequence parallelism
-        "sp": (ds.pop("sequence_parallel_size", AUTO), "sequence_parallel_size"),
+        "sp": (ds.get("sequence_parallel_size", AUTO), "sequence_parallel_size"),
     }
     sizes = {}
     for flag, (have, key) in found.items():
@@ -207,16 +225,21 @@ def _check_parallelism(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"ds_config {key}={_fmt(value)}: must be a positive integer")
         sizes[flag] = value
-    if pipe or sizes["pp"] > 1:
-        ds["pipeline"] = {**pipe, "stages": sizes["pp"]}
     try:
-        dims = ParallelDims(world_size, **sizes)
+        return ParallelDims(world_size, **sizes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _write_layout(ds: dict[str, Any], dims: ParallelDims) -> None:
+    """The layout in DeepSpeed's terms: its pipeline section (sequence parallelism is dstrain's own)."""
+    ds.pop("sequence_parallel_size", None)
+    pipe = _pipeline_section(ds)
+    if pipe or dims.pp > 1:
+        ds["pipeline"] = {**pipe, "stages": dims.pp}
     if dims.pp > 1:
         # Activations are whole tensors between stages (several of them need gradients).
         ds["pipeline"].update(pipe_partitioned=False, grad_partitioned=False)
-    return dims
 
 
 def layout_sections(dims: ParallelDims) -> dict[str, Any]:
@@ -316,7 +339,7 @@ def _resolve_scheduler(ds: dict[str, Any], t: ScheduleOptions) -> None:
         )
 
 
-def _resolve_zero_autos(zero: dict[str, Any], hidden: int) -> None:
+def _resolve_zero_autos(zero: dict[str, Any], hidden: int, device_type: str) -> None:
     # The Hugging Face integration's conventions for these "auto" sizes (so HF-style configs work unchanged),
     # with a floor of 16M elements: hidden^2 buckets of a small model would mean hundreds of tiny collectives.
     bucket = max(hidden * hidden, 2**24)
@@ -330,9 +353,10 @@ def _resolve_zero_autos(zero: dict[str, Any], hidden: int) -> None:
             zero[key] = value
     if zero.get("overlap_comm") == AUTO:
         # Reductions on a side stream, overlapping backward, on GPUs; gloo on CPU gains nothing from it.
-        import torch
-
-        zero["overlap_comm"] = torch.cuda.is_available()
+        zero["overlap_comm"] = device_type == "cuda"
+    for sec in ("offload_param", "offload_optimizer"):
+        if isinstance(zero.get(sec), dict) and zero[sec].get("pin_memory") == AUTO:
+            zero[sec]["pin_memory"] = device_type == "cuda"  # page-locked host memory serves GPU copies only
 
 
 def _validate_with_deepspeed(ds: dict[str, Any]) -> None:

@@ -9,7 +9,6 @@ validates itself (`ConfigError`, a `ValueError`). Precedence: default < recipe f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -17,9 +16,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dstrain.cmdline import ArgumentParser
 from dstrain.data import DataOptions
 from dstrain.errors import ConfigError
-from dstrain.fields import base_type, converter, field_docs
+from dstrain.fields import add_flags, base_type, converter
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -319,14 +319,15 @@ class Options:
     """The options the user set (flag or recipe): a DeepSpeed file's explicit value yields only to these."""
 
     def __post_init__(self) -> None:
-        if self.data.seq_len < 2:
-            raise ConfigError(
-                f"--seq_len {self.data.seq_len}: must be >= 2 (a row needs an input and a target)"
-            )
         if self.eval.eval_every and not self.data.evaluates:
             raise ConfigError(
                 f"--eval_every {self.eval.eval_every}: give the eval set (--eval_data or --eval_split)"
             )
+
+    @property
+    def debug(self) -> bool:
+        """--debug, read by the command-line policy (dstrain.cli)."""
+        return self.logging.debug
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -358,47 +359,15 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="dstrain train",
         description="Train a DeepSeek-style MoE model with DeepSpeed. Flags override --recipe entries.",
-        # SUPPRESS: only flags actually given reach the namespace, so they can override the recipe.
-        argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--recipe", help="TOML file of option = value entries (flags override it)")
     for title, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{title} options")
-        docs = field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            tp, choices, _ = base_type(hints[f.name])
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if cls is DataOptions:
-                default = DATA_DEFAULTS.get(f.name, default)
-            helptext = docs.get(f.name, "").replace("%", "%%")
-            if f.metadata.get("hidden"):
-                helptext = argparse.SUPPRESS
-            elif default is not None:
-                helptext += f" (default: {default})"
-            kw: dict[str, Any] = {"dest": f.name, "help": helptext}
-            if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            elif "bare" in f.metadata:  # --NAME [MODE]: a bare flag means metadata["bare"]; --no-NAME
-                kw.update(nargs="?", const=f.metadata["bare"], choices=choices, metavar="MODE")
-                group.add_argument(
-                    f"--no-{f.name}",
-                    dest=f.name,
-                    action="store_const",
-                    const=f.metadata["negated"],
-                    help=argparse.SUPPRESS,
-                )
-            else:
-                kw["type"] = converter(tp, f.name)
-                kw["metavar"] = f.name.upper()
-                if choices:
-                    kw["choices"] = choices
-                    kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
-            group.add_argument(f"--{f.name}", **kw)
+        add_flags(group, cls, DATA_DEFAULTS if cls is DataOptions else None)
     return parser
 
 
@@ -422,10 +391,8 @@ def load_recipe(path: str) -> dict[str, Any]:
 
 def parse_options(argv: list[str]) -> Options:
     """Flags (and the recipe they name) -> validated Options. Raises ConfigError; --help exits."""
-    parser = build_parser()
-    parser.error = _raise_config_error  # type: ignore[method-assign]
-    ns = vars(parser.parse_args(argv))
-    recipe_path = ns.pop("recipe", None)
+    ns = vars(build_parser().parse_args(argv))
+    recipe_path = ns.pop("recipe")
     section_of = _section_of()
     values: dict[str, tuple[Any, str]] = {}
     if recipe_path:
@@ -449,7 +416,3 @@ def parse_options(argv: list[str]) -> Options:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{name} options: {exc}") from exc
     return Options(**sections, given=frozenset(values))
-
-
-def _raise_config_error(message: str) -> typing.NoReturn:
-    raise ConfigError(message)

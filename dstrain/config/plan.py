@@ -1,6 +1,6 @@
 """The resolved run: options, model config, DeepSpeed config and parallel layout, decided once.
 
-`prepare(opts, world)` does everything that needs no process group and allocates nothing: the DeepSpeed JSON
+`prepare(opts, world, device_type)` does everything that needs no process group and allocates nothing: the DeepSpeed JSON
 is read and its "auto" fields filled, the model config built with the options' overrides, the layout checked
 against the model and the ZeRO stage, a `--model` folder's headers checked against its config. Every later
 component (the trainer, the builders, checkpoints, tests, benchmarks) reads this `RunPlan` and derives
@@ -21,16 +21,17 @@ from dstrain.model import ModelConfig, get_config
 from dstrain.parallel import ParallelDims
 
 from .ds_config import (
-    AUTO,
     finalize_paths,
     layout_sections,
     load_ds_config,
-    offloads_optimizer,
+    offloaded,
     resolve_ds_config,
+    resolve_layout,
     resolve_precision,
     write_resolved,
+    zero_stage,
 )
-from .ds_file import UserFile, adopt, check_top_level, split_layout
+from .ds_file import AUTO, UserFile, adopt, check_top_level, split_layout
 from .options import Options
 
 
@@ -51,7 +52,9 @@ class RunPlan:
     offload: bool
     """Optimizer states and step on the CPU (ZeRO offload_optimizer)."""
     device_type: str
-    """'cuda' or 'cpu'."""
+    """'cuda' or 'cpu': the machine the run is resolved for."""
+    model_folder: str | None = None
+    """The Hugging Face folder --model names, whose weights are loaded; None for a preset (built fresh)."""
     notes: tuple[str, ...] = ()
     """Lines to show the user at start (deprecated config forms, ...)."""
     output_dir: str | None = None
@@ -86,29 +89,36 @@ def model_config(opts: Options, base: ModelConfig | None = None) -> ModelConfig:
     return base.replace(**opts.model.config_overrides())
 
 
-def prepare(opts: Options, world: int | None = None, model: ModelConfig | None = None) -> RunPlan:
-    """Resolve the run for `world` ranks (default: what the launcher announced). `model` replaces the
-    --model preset's config (tests and benchmarks use their own shapes). Raises ConfigError."""
+def prepare(
+    opts: Options, world: int | None = None, device_type: str | None = None, model: ModelConfig | None = None
+) -> RunPlan:
+    """Resolve the run for `world` ranks (default: what the launcher announced) on `device_type` ('cuda' or
+    'cpu'; default: this machine's accelerator, which is then set up for this rank): the one place that
+    decides what the target machine means for precision, pinning and overlap. `model` replaces the --model
+    config (tests and benchmarks use their own shapes; `dstrain plan` a folder's config.json alone, whose
+    weights are then not checked). Raises ConfigError."""
     world = dist.launcher_world_size() if world is None else world
-    device_type = dist.pick_accelerator()
+    device_type = dist.pick_accelerator() if device_type is None else device_type
     path, raw = load_ds_config(opts.layout.config)
     check_top_level(raw, f"--config {path}")
     user = split_layout(raw)
     opts = adopt(opts, user.ds)
-    opts = _accumulation_from_train_batch(opts, user, world)
+    dims = resolve_layout(user, opts.layout, world)
+    opts = _accumulation_from_train_batch(opts, user, dims)
     cfg = model_config(opts, model)
     precision = resolve_precision(opts.layout.precision, user.ds, device_type)
-    ds, dims = resolve_ds_config(
+    ds = resolve_ds_config(
         user,
+        dims,
         opts.layout,
         opts.optimizer,
         opts.schedule,
-        world_size=world,
         precision=precision,
+        device_type=device_type,
         hidden_size=cfg.hidden_size,
     )
-    stage = int(ds["zero_optimization"].get("stage", 0))
-    offload = offloads_optimizer(ds)
+    stage = zero_stage(ds)
+    offload = offloaded(ds["zero_optimization"], "offload_optimizer")
     if opts.run.nan_policy == "skip" and stage == 0:
         raise ConfigError(
             "--nan_policy skip needs zero_optimization.stage >= 1 (stage 0 cannot skip an update)"
@@ -121,8 +131,9 @@ def prepare(opts: Options, world: int | None = None, model: ModelConfig | None =
         raise ConfigError(f"--sp {dims.sp} must divide --seq_len {opts.data.seq_len}")
     if dims.sp > 1 and opts.model.compile:
         raise ConfigError(f"--sp {dims.sp} with --compile: not supported yet (run eager)")
-    if os.path.isdir(opts.model.model):
-        check_model_folder(opts.model.model, cfg)
+    folder = opts.model.model if os.path.isdir(opts.model.model) else None
+    if folder is not None and model is None:
+        check_model_folder(folder, cfg)
     notes = user.notes
     lora = opts.lora
     if lora.lora_r % 8 and "experts" in lora.targets:  # experts.py: r is a grouped GEMM's inner size
@@ -130,10 +141,10 @@ def prepare(opts: Options, world: int | None = None, model: ModelConfig | None =
             f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
-    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, notes)
+    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes)
 
 
-def _accumulation_from_train_batch(opts: Options, user: UserFile, world: int) -> Options:
+def _accumulation_from_train_batch(opts: Options, user: UserFile, dims: ParallelDims) -> Options:
     """An explicit train_batch_size with accumulation set nowhere fixes the accumulation, as in the
     transformers integration: train_batch_size / (micro batch x data-parallel ranks)."""
     total = user.ds.get("train_batch_size", AUTO)
@@ -142,14 +153,11 @@ def _accumulation_from_train_batch(opts: Options, user: UserFile, world: int) ->
         return opts
     if user.ds.get("gradient_accumulation_steps", AUTO) != AUTO:
         return opts
-    pp = layout.pp or (user.ds.get("pipeline") or {}).get("stages", AUTO)
-    tp = layout.tp or user.tp
-    model_parallel = (1 if pp == AUTO else pp) * (1 if tp == AUTO else tp)
-    per_step = layout.micro_batch_size * max(1, world // model_parallel)
+    per_step = layout.micro_batch_size * dims.dp
     if not isinstance(total, int) or total % per_step:
         raise ConfigError(
             f"ds_config train_batch_size={total} is not a multiple of --micro_batch_size "
-            f"{layout.micro_batch_size} x {per_step // layout.micro_batch_size} data-parallel ranks"
+            f"{layout.micro_batch_size} x {dims.dp} data-parallel ranks"
         )
     layout = dataclasses.replace(layout, gradient_accumulation_steps=total // per_step)
     return dataclasses.replace(opts, layout=layout)

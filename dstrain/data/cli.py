@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from dstrain.errors import DataError
+from dstrain.cmdline import ArgumentParser, add_debug
 
 from .options import add_arguments, from_args
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dstrain data", description="Inspect training data.")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="dstrain data", description="Inspect training data.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     audit = sub.add_parser(
         "audit", help="print rendered samples with the trained tokens marked, and mask statistics"
@@ -31,27 +30,27 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--rounds", type=int, default=3, help="ABBA rounds (2 runs of each side per round)")
     for p in (audit, stats):
         add_arguments(p)
+        add_debug(p)
         p.add_argument("--model_path", default=None, help="checkpoint folder whose tokenizer to use")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+def parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     from .tokenizer import load_tokenizer
 
-    try:
-        opts = from_args(args)
-        tok = load_tokenizer(opts.tokenizer, args.model_path)
-        if args.command == "audit":
-            from .audit import run_audit
+    opts = from_args(args)
+    tok = load_tokenizer(opts.tokenizer, args.model_path)
+    if args.command == "audit":
+        from .audit import run_audit
 
-            color = None if args.color == "auto" else args.color == "always"
-            run_audit(opts, tok, n=args.n, max_docs=args.max_docs, color=color)
-        else:
-            from .bench import run_stats
+        color = None if args.color == "auto" else args.color == "always"
+        run_audit(opts, tok, n=args.n, max_docs=args.max_docs, color=color)
+    else:
+        from .bench import run_stats
 
-            print(json.dumps(run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(json.dumps(run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)))
     return 0

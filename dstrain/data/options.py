@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, get_args, get_type_hints
+from typing import Literal, get_args
 
 from dstrain.errors import DataError
-from dstrain.fields import base_type, converter, field_docs
+from dstrain.fields import add_flags, field_docs
 
 Format = Literal["auto", "text", "chat", "instruction"]
 TxtSplit = Literal["paragraph", "line", "document"]
@@ -157,23 +157,14 @@ def field_help() -> dict[str, str]:
 
 def add_arguments(parser) -> None:
     """One `--FIELD` flag per DataOptions field (booleans get `--no-FIELD`), help from the docstrings."""
-    import argparse
-
-    helps, hints = field_help(), get_type_hints(DataOptions)
-    for f in dataclasses.fields(DataOptions):
-        flag, default, text = f"--{f.name}", f.default, helps.get(f.name, "")
-        tp, choices, _ = base_type(hints[f.name])
-        if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-            continue
-        parser.add_argument(
-            flag,
-            type=converter(tp, f.name),
-            default=default,
-            choices=choices,
-            help=f"{text} (default: {default})",
-        )
+    add_flags(parser, DataOptions)
 
 
 def from_args(namespace) -> DataOptions:
-    return DataOptions(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(DataOptions)})
+    """The options a parser with `add_arguments` read: the flags given, the defaults for the rest."""
+    given = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(DataOptions)
+        if hasattr(namespace, f.name)
+    }
+    return DataOptions(**given)

@@ -46,6 +46,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dstrain.config.ds_config import offloaded
 from dstrain.model import ModelConfig
 from dstrain.model.experts import CPU_GROUP_ROWS
 from dstrain.model.kernels import CPU_NATIVE_BF16
@@ -338,18 +339,12 @@ class _Zero:
     def of(cls, w: Workload) -> _Zero:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-        z = DeepSpeedZeroConfig(**{**{k: v for k, v in w.zero.items() if v != "auto"}, "stage": w.stage})
-        # dstrain resolves overlap_comm "auto" to "on CUDA" (ds_config.py)
-        overlap = w.device == "cuda" if w.zero.get("overlap_comm") == "auto" else bool(z.overlap_comm)
-
-        def offloaded(section: Any) -> bool:
-            return section is not None and getattr(section.device, "value", section.device) != "none"
-
+        z = DeepSpeedZeroConfig(**{**w.zero, "stage": w.stage})
         return cls(
             bucket=int(z.reduce_bucket_size),
-            overlap=overlap,
-            offload_optimizer=offloaded(z.offload_optimizer),
-            offload_param=offloaded(z.offload_param),
+            overlap=bool(z.overlap_comm),
+            offload_optimizer=offloaded(w.zero, "offload_optimizer"),
+            offload_param=offloaded(w.zero, "offload_param"),
             prefetch=int(z.prefetch_bucket_size),
             persistence=int(z.param_persistence_threshold),
             reuse=int(z.max_reuse_distance),

@@ -1,40 +1,49 @@
 """`dstrain plan`: predicted memory per GPU of a training run before it starts, a verdict, and the layouts
-that would fit (`memory.py` holds the model of what is predicted).
+that would fit (`estimate.py` holds the model of what is predicted).
 
   dstrain plan --model deepseek-v3 --config zero1 --ep 8 --num_gpus 8 --gpu_memory_gb 80 \\
       --seq_len 4096 --micro_batch_size 1 --activation_checkpointing
 
 Every `dstrain train` option is accepted and resolved exactly as `dstrain train` resolves it (the DeepSpeed
-config's "auto" values included), for GPUs: bf16 unless the config or --precision says otherwise, and
-`overlap_comm: "auto"` on. A --model folder needs only its config.json. The last line is the verdict:
-`fits: ...` or `does not fit: predicted peak X GiB per rank of G GiB`.
+config's "auto" values included) for GPUs (`prepare(..., device_type="cuda")`): bf16 unless the config or
+--precision says otherwise, `overlap_comm: "auto"` on. A --model folder needs only its config.json. The last
+line is the verdict: `fits: ...` or `does not fit: predicted peak X GiB per rank of G GiB`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import os
-import sys
 from collections.abc import Iterator
-from typing import NoReturn
 
-from dstrain.config.ds_config import load_ds_config
+from dstrain.cmdline import ArgumentParser
+from dstrain.config.ds_config import OFFLOADS, offloaded
 from dstrain.config.options import Options, parse_options
 from dstrain.config.plan import RunPlan, prepare
-from dstrain.errors import ConfigError, UserError
+from dstrain.errors import ConfigError
 from dstrain.model import get_config, param_counts
 from dstrain.parallel import ParallelDims
 
 from .estimate import CHECKPOINTING, GIB, Estimate, Workload, estimate
 
 LARGER_WORLDS = 7  # when no layout of N GPUs fits, try 2N, 4N, ... up to 128N
-OFFLOADS = ("offload_optimizer", "offload_param")
 
 
-def _parse(argv: list[str]) -> tuple[Options, int, float, int]:
-    parser = argparse.ArgumentParser(
+@dataclasses.dataclass(frozen=True)
+class PlanArgs:
+    opts: Options
+    num_gpus: int
+    gpu_memory_gb: float
+    top: int
+
+    @property
+    def debug(self) -> bool:
+        return self.opts.debug
+
+
+def parse(argv: list[str]) -> PlanArgs:
+    parser = ArgumentParser(
         prog="dstrain plan",
         description="Predicted peak memory per GPU of a training run, a verdict, and the layouts that fit.",
         epilog="Every `dstrain train` option is accepted too (--precision, --gradient_accumulation_steps, "
@@ -43,40 +52,24 @@ def _parse(argv: list[str]) -> tuple[Options, int, float, int]:
     parser.add_argument("--num_gpus", type=int, required=True, help="GPUs in the run (the world size)")
     parser.add_argument("--gpu_memory_gb", type=float, required=True, help="memory of one GPU, GiB (80 for A100/H100 80GB)")  # fmt: skip
     parser.add_argument("--top", type=int, default=5, help="how many layouts that fit to list (default 5)")
-    parser.error = _config_error  # type: ignore[method-assign]
     known, rest = parser.parse_known_args(argv)
     if known.num_gpus < 1 or known.gpu_memory_gb <= 0:
         raise ConfigError(
             f"--num_gpus {known.num_gpus} --gpu_memory_gb {known.gpu_memory_gb}: must be positive"
         )
-    return parse_options(rest), known.num_gpus, known.gpu_memory_gb, known.top
-
-
-def _config_error(message: str) -> NoReturn:
-    raise ConfigError(message)
+    return PlanArgs(parse_options(rest), known.num_gpus, known.gpu_memory_gb, known.top)
 
 
 def gpu_plan(opts: Options, world: int) -> tuple[RunPlan, Workload]:
     """The run as `dstrain train` would resolve it on `world` GPUs, and its workload."""
-    _, raw = load_ds_config(opts.layout.config)
-    if "precision" not in opts.given:  # a GPU run trains bf16 unless the config turns bf16 off
-        bf16 = (raw.get("bf16") or raw.get("bfloat16") or {}).get("enabled", "auto")
-        layout = dataclasses.replace(opts.layout, precision="fp32" if bf16 is False else "bf16")
-        opts = dataclasses.replace(opts, layout=layout)
     base = None
-    if os.path.isdir(opts.model.model):
-        # config.json is all the estimate needs: the weights are not checked (nor required)
+    if os.path.isdir(opts.model.model):  # config.json is all the estimate needs: weights are not required
         try:
             base = get_config(opts.model.model)
         except ValueError as exc:
             raise ConfigError(f"--model {opts.model.model}: {exc}") from None
-        opts = dataclasses.replace(opts, model=dataclasses.replace(opts.model, model=os.path.basename(
-            os.path.normpath(opts.model.model))))  # fmt: skip
-    plan = prepare(opts, world, model=base)
-    zero = dict(plan.ds.get("zero_optimization") or {})
-    if (raw.get("zero_optimization") or {}).get("overlap_comm") == "auto":
-        zero["overlap_comm"] = "auto"  # resolved for the GPUs planned for, not for this machine
-    return plan, Workload.of(plan).replace(device="cuda", zero=zero)
+    plan = prepare(opts, world, device_type="cuda", model=base)
+    return plan, Workload.of(plan)
 
 
 # ------------------------------------------------------------------------------------------ the search
@@ -97,12 +90,8 @@ class Option:
                 -w.micro_batch, w.dims.ep)  # fmt: skip
 
 
-def _device(zero: dict, key: str) -> str:
-    return (zero.get(key) or {}).get("device", "none")
-
-
 def _offloads(zero: dict) -> bool:
-    return any(_device(zero, k) != "none" for k in OFFLOADS)
+    return any(offloaded(zero, k) for k in OFFLOADS)
 
 
 def _divisors(n: int) -> list[int]:
@@ -154,9 +143,9 @@ def layouts_that_fit(w: Workload, world: int, capacity: int, offload: bool = Fal
 # ------------------------------------------------------------------------------------------ the report
 def describe(w: Workload) -> str:
     parts = [w.dims.describe(), f"ZeRO-{w.stage}"]
-    offloaded = [k.removeprefix("offload_") for k in OFFLOADS if _device(w.zero, k) != "none"]
-    if offloaded:
-        parts.append("offload " + "+".join(offloaded))
+    where = [k.removeprefix("offload_") for k in OFFLOADS if offloaded(w.zero, k)]
+    if where:
+        parts.append("offload " + "+".join(where))
     mode = w.checkpointing if w.checkpointing != "none" else "no"
     return ", ".join(
         [*parts, f"micro batch {w.micro_batch} x GA {w.grad_accum}", f"{mode} activation checkpointing"]
@@ -174,7 +163,7 @@ def report(plan: RunPlan, w: Workload, capacity_gib: float, top: int) -> list[st
     counts = param_counts(w.model)
     mtp = " with MTP" if w.model.num_nextn_predict_layers else ""
     lines = [
-        f"dstrain plan: {plan.opts.model.model} ({counts['total'] / 1e9:.1f}B parameters{mtp}, "
+        f"dstrain plan: {os.path.basename(os.path.normpath(plan.opts.model.model))} ({counts['total'] / 1e9:.1f}B parameters{mtp}, "
         f"{counts['active'] / 1e9:.1f}B active) on {world} x {capacity_gib:g} GiB, {w.precision}, "
         f"{w.micro_batch} x {w.seq_len} tokens per micro batch",
         f"layout: {describe(w)}",
@@ -232,19 +221,7 @@ def _rows(options: list[Option], world: int) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        opts, world, memory_gib, top = _parse(argv)
-        plan, w = gpu_plan(opts, world)
-        print("\n".join(report(plan, w, memory_gib, top)), flush=True)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        print(f"dstrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+def run(args: PlanArgs) -> int:
+    plan, w = gpu_plan(args.opts, args.num_gpus)
+    print("\n".join(report(plan, w, args.gpu_memory_gb, args.top)), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

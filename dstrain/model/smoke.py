@@ -7,17 +7,22 @@ import time
 
 import torch
 
+from dstrain.cmdline import command_parser
+
 from .loading import build_model
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dstrain smoke", description=__doc__)
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = command_parser("dstrain smoke", __doc__)
     p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = build_model(args.model, seed=0, dtype=dtype).train()

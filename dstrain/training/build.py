@@ -11,6 +11,7 @@ folder so that no rank holds more of it than it trains.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -58,27 +59,26 @@ def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective
 
 
 def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
-    cfg, dims, seed = plan.model, plan.dims, plan.opts.run.seed
-    model_opts, lora = plan.opts.model, plan.opts.lora
-    if not os.path.isdir(model_opts.model):
-        if plan.stage == 3:  # partitioned from the start: no rank ever holds the whole model
-            model = _zero3_fresh(cfg, plan.ds, seed, device)
-            apply_finetune_options(model, lora, seed)
-            return Built(model, model)
-        model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
-        apply_finetune_options(model, lora, seed)
-        return _parallel(model, plan, rank, device, objective)
-    with PeakRSS() as peak, HFReader(model_opts.model, cfg) as reader:
-        if plan.stage == 3:
+    cfg, seed, folder = plan.model, plan.opts.run.seed, plan.model_folder
+    reader = HFReader(folder, cfg) if folder is not None else None
+    with PeakRSS() as peak, contextlib.ExitStack() as stack:
+        if reader is not None:
+            stack.enter_context(reader)
+        if plan.stage == 3 and reader is not None:  # partitioned from the start: no rank holds it whole
             model = _zero3_from_hf(cfg, reader, plan.ds, seed)
-            apply_finetune_options(model, lora, seed)
-            built = Built(model, model)
-        else:
-            with torch.device("meta"):
+        elif plan.stage == 3:
+            model = _zero3_fresh(cfg, plan.ds, seed, device)
+        elif reader is not None:
+            with torch.device("meta"):  # this rank's tensors get memory once parallelised
                 model = DeepSeekLM(cfg)
-            apply_finetune_options(model, lora, seed)
-            built = _parallel(model, plan, rank, device, objective)  # gives this rank's tensors memory
-            if not dims.model_parallel:
+        else:
+            model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
+        apply_finetune_options(model, plan.opts.lora, seed)
+        built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
+        if reader is None:
+            return built
+        if plan.stage != 3:
+            if not plan.dims.model_parallel:
                 materialize(model, device)
             fill_from_hf(model, reader, seed)
             init_adapters(model, seed)

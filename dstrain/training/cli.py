@@ -1,33 +1,26 @@
-"""`dstrain train`: validate everything, then set up the process group, the engine and run the loop."""
+"""`dstrain train`: validate everything, then set up the process group, the engine and run the loop (under
+the command-line policy of `dstrain.cli`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 from dstrain import dist
 from dstrain.checkpoint import store
 from dstrain.config.ds_config import RESOLVED
-from dstrain.config.options import CheckpointOptions, parse_options
-from dstrain.config.plan import prepare
+from dstrain.config.options import CheckpointOptions, Options, parse_options
+from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import CheckpointError, UserError
 from dstrain.memory.estimate import device_warning
 
 from . import watchdog
+from .metrics import METRICS_FILE
 from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
-
-
-def _rank_env() -> int:
-    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 0
 
 
 def quiet_libraries(debug: bool, rank: int) -> None:
@@ -52,8 +45,8 @@ def size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def default_output_dir(model: str) -> str:
-    name = Path(model).name if os.path.isdir(model) else model
+def default_output_dir(plan: RunPlan) -> str:
+    name = Path(plan.model_folder).name if plan.model_folder else plan.opts.model.model
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
@@ -67,14 +60,35 @@ def choose_resume(c: CheckpointOptions, output_dir: str) -> str | None:
     return str(found) if found is not None else None
 
 
-def run(argv: list[str]) -> int:
-    # Everything that needs no process group and allocates nothing comes first: a mistake is one line.
-    plan = prepare(parse_options(argv))
+def parse(argv: list[str]) -> Options:
+    return parse_options(argv)
+
+
+def run(opts: Options) -> int:
+    quiet_libraries(opts.logging.debug, dist.env_rank())
+    try:
+        # Everything that needs no process group and allocates nothing comes first: a mistake is one line,
+        # and every rank makes it alike.
+        plan = prepare(opts)
+    except UserError as exc:
+        exc.all_ranks = True
+        raise
+    try:
+        return _train(plan)
+    except Exception as exc:
+        if isinstance(exc, UserError) or not watchdog.is_peer_failure(exc):
+            raise
+        raise watchdog.report(exc) from exc
+    finally:
+        dist.shutdown()
+
+
+def _train(plan: RunPlan) -> int:
     opts = plan.opts
     model = opts.model.model
     info = dist.init_distributed(opts.run.collective_timeout)
     watchdog.arm(opts.run.collective_timeout)
-    output_dir = opts.checkpoint.output_dir or dist.broadcast_object(default_output_dir(model))
+    output_dir = opts.checkpoint.output_dir or dist.broadcast_object(default_output_dir(plan))
     resume = dist.agree(lambda: choose_resume(opts.checkpoint, output_dir))
     say = print if info.is_main else (lambda *a, **k: None)
     if info.is_main:
@@ -89,7 +103,7 @@ def run(argv: list[str]) -> int:
         f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps",
         flush=True,
     )
-    say(f"dstrain: outputs in {os.path.abspath(output_dir)} (metrics.jsonl, checkpoints/, {RESOLVED})")
+    say(f"dstrain: outputs in {os.path.abspath(output_dir)} ({METRICS_FILE}, checkpoints/, {RESOLVED})")
     if info.is_main and (warning := device_warning(plan, info.device, info.local_world_size)):
         say(warning)
     for note in plan.notes:
@@ -112,40 +126,9 @@ def run(argv: list[str]) -> int:
         first = trainer.history[0]
         losses = " -> ".join(f"{r['loss']:.4f}" if r["loss"] is not None else "nan" for r in (first, last))
         say(f"dstrain: done at step {summary['step']}: loss {losses}")
-    say(f"dstrain: metrics     {os.path.abspath(os.path.join(output_dir, 'metrics.jsonl'))}")
+    say(f"dstrain: metrics     {os.path.abspath(os.path.join(output_dir, METRICS_FILE))}")
     if summary["checkpoint"]:
         say(f"dstrain: checkpoint  {os.path.abspath(summary['checkpoint'])}")
     if summary["stopped"]:
         return PREEMPTED_EXIT_CODE
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    rank = _rank_env()
-    quiet_libraries(debug, rank)
-    try:
-        return run(argv)
-    except SystemExit as exc:  # argparse --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        import torch.distributed as tdist
-
-        # Errors every rank raises alike (validation before the process group, agreed decisions, the NaN
-        # check) are printed once; anything else only the rank that hit it knows about.
-        everywhere = getattr(exc, "all_ranks", False) or not (tdist.is_available() and tdist.is_initialized())
-        if rank == 0 or not everywhere:
-            where = "" if everywhere or rank == 0 else f" (rank {rank})"
-            print(f"dstrain: error{where}: {exc}", file=sys.stderr, flush=True)
-        return getattr(exc, "exit_code", 2)
-    except Exception as exc:
-        if not watchdog.is_peer_failure(exc):
-            raise
-        if debug:
-            traceback.print_exc()
-        return watchdog.report(exc)
-    finally:
-        dist.shutdown()

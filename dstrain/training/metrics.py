@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -125,6 +126,55 @@ def _fmt_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+METRICS_FILE = "metrics.jsonl"
+EXPERT_LOAD_FILE = "expert_load.jsonl"
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """JSON has no NaN/Inf: non-finite values are recorded as null."""
+    if x is None or not math.isfinite(x):
+        return None
+    return x
+
+
+class RunLog:
+    """What the loop records beside each step's own figures: MFU (the step's model FLOPs over the peak of every
+    device of the world: each rank works on the step's tokens, a pipeline stage or TP shard on its share), an
+    ETA from the last 20 step times, and the expert loads summed over the steps since the last
+    expert_load.jsonl row (one every `log_every` steps)."""
+
+    def __init__(
+        self, sink: MetricsSink, cfg: Any, world_size: int, peak: float, peak_source: str, log_every: int
+    ) -> None:
+        self.sink, self.cfg, self.world_size = sink, cfg, world_size
+        self.peak, self.peak_source, self.log_every = peak, peak_source, log_every
+        self.recent: deque[float] = deque(maxlen=20)
+        self.flops_per_token: dict[int, float] = {}
+        self.load: torch.Tensor | None = None
+
+    def mfu(self, rec: dict[str, Any]) -> float | None:
+        from dstrain.model import flops_per_token
+
+        seq = rec["seq_len"]
+        if seq not in self.flops_per_token:
+            self.flops_per_token[seq] = flops_per_token(self.cfg, seq)
+        if not self.peak > 0:  # unknown GPU: NaN
+            return None
+        return finite_or_none(
+            rec["tokens_per_s"] * self.flops_per_token[seq] / (self.world_size * self.peak * 1e12)
+        )
+
+    def eta_s(self, rec: dict[str, Any], steps_left: int) -> float:
+        self.recent.append(rec["step_time_s"])
+        return steps_left * sum(self.recent) / len(self.recent)
+
+    def expert_load(self, step: int, layer_ids: list[int], load: torch.Tensor, flush: bool) -> None:
+        self.load = load if self.load is None else self.load + load
+        if step % self.log_every == 0 or flush:
+            self.sink.log_load(step, layer_ids, self.load)
+            self.load = None
+
+
 class MetricsSink:
     """Rank 0's records. metrics.jsonl: one object per optimizer step (key "loss") and one per evaluation (key
     "eval_loss"); expert_load.jsonl: {"step", "layers": {MoE layer id: each expert's share of the routed
@@ -140,8 +190,8 @@ class MetricsSink:
         tensorboard: bool = False,
     ) -> None:
         self.enabled = enabled
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.load_path = os.path.join(output_dir, "expert_load.jsonl")
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        self.load_path = os.path.join(output_dir, EXPERT_LOAD_FILE)
         self.file = self.load_file = self.tb = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)

@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,10 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator
 
+from dstrain.cmdline import command_parser
 from dstrain.errors import UserError
+
+from .metrics import EXPERT_LOAD_FILE, METRICS_FILE
 
 SIZE, DPI = (8, 4.5), 110
 SMOOTH_FROM = 20  # fewer points than this are readable raw
@@ -216,7 +218,7 @@ def _expert_load(rows: list[dict], title: str) -> Figure | None:
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write loss, lr, grad_norm, throughput (and expert_load when recorded) PNGs into RUN_DIR/plots/."""
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     rows = _rows(path) if path.is_file() else []
     train = _latest([r for r in rows if "loss" in r])
     evals = _latest([r for r in rows if "eval_loss" in r and "loss" not in r])
@@ -231,26 +233,19 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         "grad_norm": _grad_norm(train, f"Gradient norm · {name}"),
         "throughput": _throughput(train, f"Training speed · {name}"),
     }
-    load = run_dir / "expert_load.jsonl"
+    load = run_dir / EXPERT_LOAD_FILE
     if load.is_file():
         figures["expert_load"] = _expert_load(_rows(load), f"Expert load per MoE layer · {name}")
     return [_save(fig, out / f"{key}.png") for key, fig in figures.items() if fig is not None]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dstrain plot", description="Write PNG plots of a run's metrics into RUN_DIR/plots/."
-    )
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = command_parser("dstrain plot", "Write PNG plots of a run's metrics into RUN_DIR/plots/.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder (holds metrics.jsonl)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        for path in write_plots(args.run_dir):
-            print(path)
-    except UserError as exc:
-        print(f"dstrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    for path in write_plots(args.run_dir):
+        print(path)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

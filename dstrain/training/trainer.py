@@ -8,7 +8,7 @@ import math
 import os
 import random
 import time
-from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,12 @@ from dstrain.checkpoint.reshard import optimizer_progress
 from dstrain.config.plan import RunPlan
 from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
-from dstrain.model import combine_losses, flops_per_token
+from dstrain.model import combine_losses
 
 from . import objective, watchdog
 from .build import build_for_training
 from .evaluate import Evaluator, local_batches
-from .metrics import Display, MetricsSink, Profiler, device_peak_tflops
+from .metrics import Display, MetricsSink, Profiler, RunLog, device_peak_tflops, finite_or_none
 from .objective import StepStats, Weights, count_targets
 from .preempt import Preemption
 from .schedule import make_scheduler_factory
@@ -150,7 +150,7 @@ class Trainer:
             from dstrain.data import load_tokenizer
 
             model = self.opts.model.model
-            tok = load_tokenizer(self.opts.data.tokenizer, model_path=model if os.path.isdir(model) else None)
+            tok = load_tokenizer(self.opts.data.tokenizer, model_path=self.plan.model_folder)
             if len(tok) > self.cfg.vocab_size:
                 raise ConfigError(
                     f"tokenizer has {len(tok)} tokens but model {model} has vocab_size {self.cfg.vocab_size}"
@@ -177,11 +177,7 @@ class Trainer:
         return sequence_shard(batch, self.sp_rank, self.dims.sp, sequence_halo(self.mtp_depth))
 
     def layout(self) -> dict[str, Any]:
-        """What DeepSpeed's per-rank checkpoint files and the ranks' data streams depend on: resuming with
-        another one re-shards."""
-        d = self.dims
-        return {"world": d.world, "pp": d.pp, "tp": d.tp, "ep": d.ep, "sp": d.sp, "dp": d.dp,
-                "stage": self.plan.stage, "precision": self.plan.precision}  # fmt: skip
+        return store.layout_record(self.dims, self.plan.stage, self.plan.precision)
 
     def _resume(self, path: str) -> None:
         from pathlib import Path
@@ -213,8 +209,9 @@ class Trainer:
             )
         if resharded and self.verbose:
             print(
-                f"dstrain: resumed step {self.step} of {path} on another layout: saved {_layout_str(resharded)}, "
-                f"now {_layout_str(self.layout())} (weights, AdamW moments, schedule and data position re-sharded)",
+                f"dstrain: resumed step {self.step} of {path} on another layout: saved "
+                f"{store.describe_layout(resharded)}, now {store.describe_layout(self.layout())} "
+                "(weights, AdamW moments, schedule and data position re-sharded)",
                 flush=True,
             )
 
@@ -267,12 +264,12 @@ class Trainer:
         self.target_tokens += int(n_global[0])
         return {
             "step": step,
-            "loss": _num(total),
-            "lm_loss": _num(lm_loss),
-            "mtp_loss": _num(mtp_loss),
-            "aux_loss": _num(aux_loss),
+            "loss": finite_or_none(total),
+            "lm_loss": finite_or_none(lm_loss),
+            "mtp_loss": finite_or_none(mtp_loss),
+            "aux_loss": finite_or_none(aux_loss),
             "lr": lr,
-            "grad_norm": _num(float(grad_norm)) if grad_norm is not None else None,
+            "grad_norm": finite_or_none(float(grad_norm)) if grad_norm is not None else None,
             "tokens": self.tokens,
             "target_tokens": int(n_global[0]),
             "skipped": skip,
@@ -396,17 +393,45 @@ class Trainer:
         return str(path)
 
     def run(self, until: int | None = None) -> dict[str, Any]:
-        """Train to max_steps (or stop, saved, at step `until`, as an interrupted run would have)."""
+        """Train to max_steps (or stop, saved, at step `until`, as an interrupted run would have): each step
+        is step -> log -> eval -> save -> maybe stop."""
+        end = self.opts.schedule.max_steps if until is None else min(until, self.opts.schedule.max_steps)
+        run = self._open_run()
+        try:
+            if self.step >= end:
+                self._nothing_to_run(run)
+            while self.step < end:
+                rec = self._step(run)
+                self._log(run, rec, end)
+                if self.evaluator is not None and (
+                    self._every(self.opts.eval.eval_every) or self.step == end
+                ):
+                    self._evaluate(run)
+                saved_now = self._every(self.opts.checkpoint.save_every) or self.step == end
+                if saved_now:
+                    run.last_saved = self._timed_save(run.preemption)
+                if self.step < end and run.preemption.should_stop(rec["step_time_s"]):
+                    self._stop(run, saved_now)
+                    break
+        finally:
+            if run.profiler is not None:  # the run ended inside the window: keep what was recorded
+                run.profiler.finish(self.output_dir, self.info.rank, run.profile_window)
+            run.close()
+        if self.opts.logging.plots and self.info.is_main:
+            self._plots(run.display)
+        return {
+            "step": self.step,
+            "checkpoint": run.last_saved,
+            "peak_tflops": run.log.peak,
+            "peak_source": run.log.peak_source,
+            "stopped": run.stopped,
+        }
+
+    def _open_run(self) -> _Run:
         opts, info = self.opts, self.info
-        log_opts, max_steps = opts.logging, opts.schedule.max_steps
-        end = max_steps if until is None else min(until, max_steps)
-        sink = MetricsSink(
-            self.output_dir,
-            info.is_main,
-            self.step,
-            getattr(self.engine, "monitor", None),
-            tensorboard=log_opts.tensorboard,
-        )
+        log_opts = opts.logging
+        sink = MetricsSink(self.output_dir, info.is_main, self.step, getattr(self.engine, "monitor", None),
+                           tensorboard=log_opts.tensorboard)  # fmt: skip
         if log_opts.wandb_project and info.is_main:
             name = log_opts.wandb_run_name or os.path.basename(os.path.normpath(self.output_dir))
             config = {**opts.as_dict(), "model_config": self.cfg.to_hf_dict()}
@@ -414,106 +439,102 @@ class Trainer:
                 log_opts.wandb_project, log_opts.wandb_mode, name, self.wandb_run_id, config
             )
         self.wandb_run_id = dist.broadcast_object(self.wandb_run_id)
-        display = Display(max_steps, self.step, log_opts.log_every, self.verbose)
+        display = Display(opts.schedule.max_steps, self.step, log_opts.log_every, self.verbose)
         peak, source = device_peak_tflops(info.device, self.plan.precision, log_opts.peak_tflops)
         display.write(f"dstrain: MFU against {peak:.3g} TFLOP/s per {info.device.type} device ({source})")
-        last_saved = None
-        save_every, eval_every = opts.checkpoint.save_every, opts.eval.eval_every
+        log = RunLog(sink, self.cfg, info.world_size, peak, source, log_opts.log_every)
         window = log_opts.profile_window if log_opts.profiled(info.rank) else None
         preemption = Preemption(opts.run.time_limit, info.device)
         preemption.start()
-        stopped = None
-        profiler = None
-        load_since = None  # expert loads summed since the last expert_load.jsonl row
+        return _Run(sink, display, log, preemption, window)
 
-        def evaluate() -> None:
-            rec = self.evaluate()
-            sink.log(rec)
-            display.write(_eval_line(rec))
+    def _every(self, n: int) -> bool:
+        return bool(n) and self.step % n == 0
+
+    def _nothing_to_run(self, run: _Run) -> None:
+        if self.resume_path is None:  # --max_steps 0: the initial model, as a checkpoint
+            run.last_saved = self.save()
+        run.display.write(
+            f"dstrain: no steps to run (at step {self.step}, --max_steps {self.opts.schedule.max_steps})"
+        )
+        if self.evaluator is not None:
+            self._evaluate(run)
+
+    def _step(self, run: _Run) -> dict[str, Any]:
+        """One optimizer step, inside the --profile_steps window if it covers it."""
+        watchdog.heartbeat(self.step)
+        window = run.profile_window
+        if window and run.profiler is None and window[0] <= self.step + 1 <= window[1]:
+            run.profiler = Profiler(self.info.device)
+        rec = self.train_step()
+        if run.profiler is not None and self.step == window[1]:
+            trace = run.profiler.finish(self.output_dir, self.info.rank, window)
+            run.display.write(f"dstrain: profiler trace {trace}")
+            run.profiler = None
+        if self.opts.model.compile and not self.history:
+            run.display.write(
+                f"dstrain: --compile: the first step, compiling the blocks, took {rec['step_time_s']:.1f} s"
+            )
+        return rec
+
+    def _log(self, run: _Run, rec: dict[str, Any], end: int) -> None:
+        rec["mfu"] = run.log.mfu(rec)
+        self.history.append(rec)
+        run.sink.log(rec)
+        run.display.update(rec, run.log.eta_s(rec, self.opts.schedule.max_steps - self.step))
+        if self.step_load is not None:
+            run.log.expert_load(self.step, self.model.moe_layer_ids, self.step_load, flush=self.step == end)
+
+    def _evaluate(self, run: _Run) -> None:
+        rec = self.evaluate()
+        run.sink.log(rec)
+        run.display.write(_eval_line(rec))
+
+    def _stop(self, run: _Run, saved_now: bool) -> None:
+        """Preempted (a signal or --time_limit): a complete checkpoint of this step, then out."""
+        run.stopped = run.preemption.reason
+        if not saved_now:
+            run.last_saved = self._timed_save(run.preemption)
+        run.display.write(
+            f"dstrain: stopped after step {self.step} ({run.stopped}): checkpoint {run.last_saved} is complete; "
+            "continue with --resume auto"
+        )
+
+    def _plots(self, display: Display) -> None:
+        from .plots import write_plots
 
         try:
-            if self.step >= end:
-                if self.resume_path is None:  # --max_steps 0: the initial model, as a checkpoint
-                    last_saved = self.save()
-                display.write(f"dstrain: no steps to run (at step {self.step}, --max_steps {max_steps})")
-                if self.evaluator is not None:
-                    evaluate()
-            recent: deque[float] = deque(maxlen=20)
-            fpt_cache: dict[int, float] = {}
-            while self.step < end:
-                watchdog.heartbeat(self.step)
-                if window and profiler is None and window[0] <= self.step + 1 <= window[1]:
-                    profiler = Profiler(info.device)
-                rec = self.train_step()
-                if profiler is not None and self.step == window[1]:
-                    display.write(
-                        f"dstrain: profiler trace {profiler.finish(self.output_dir, info.rank, window)}"
-                    )
-                    profiler = None
-                if opts.model.compile and not recent:
-                    display.write(
-                        f"dstrain: --compile: the first step, compiling the blocks, took {rec['step_time_s']:.1f} s"
-                    )
-                recent.append(rec["step_time_s"])
-                if rec["seq_len"] not in fpt_cache:
-                    fpt_cache[rec["seq_len"]] = flops_per_token(self.cfg, rec["seq_len"])
-                # Every rank works on the step's tokens (a pipeline stage or TP shard on its share of the
-                # FLOPs): MFU divides the step's FLOPs by the peak of all the world's devices.
-                flops = rec["tokens_per_s"] * fpt_cache[rec["seq_len"]]
-                rec["mfu"] = _num(flops / (info.world_size * peak * 1e12)) if peak > 0 else None
-                self.history.append(rec)
-                sink.log(rec)
-                display.update(rec, (max_steps - self.step) * sum(recent) / len(recent))
-                if self.step_load is not None:
-                    load_since = self.step_load if load_since is None else load_since + self.step_load
-                    if self.step % log_opts.log_every == 0 or self.step == end:
-                        sink.log_load(self.step, self.model.moe_layer_ids, load_since)
-                        load_since = None
-                if self.evaluator is not None and (
-                    (eval_every and self.step % eval_every == 0) or self.step == end
-                ):
-                    evaluate()
-                saved_now = (save_every and self.step % save_every == 0) or self.step == end
-                if saved_now:
-                    last_saved = self._timed_save(preemption)
-                if self.step < end and preemption.should_stop(rec["step_time_s"]):
-                    stopped = preemption.reason
-                    if not saved_now:
-                        last_saved = self._timed_save(preemption)
-                    display.write(
-                        f"dstrain: stopped after step {self.step} ({stopped}): checkpoint {last_saved} is complete; "
-                        "continue with --resume auto"
-                    )
-                    break
-        finally:
-            if stopped is None:  # stopping: later signals stay ignored up to the process's exit
-                preemption.stop()
-            if profiler is not None:  # the run ended inside the window: keep what was recorded
-                profiler.finish(self.output_dir, info.rank, window)
-            display.close()
-            sink.close()
-        if log_opts.plots and info.is_main:
-            from .plots import write_plots
-
-            try:
-                written = write_plots(self.output_dir)
-                if written:
-                    display.write(f"dstrain: plots in {os.path.dirname(written[0])}")
-            except Exception as exc:  # plots are a convenience: never fail a finished run over one
-                log.warning("dstrain: plots not written: %s", exc)
-        return {
-            "step": self.step,
-            "checkpoint": last_saved,
-            "peak_tflops": peak,
-            "peak_source": source,
-            "stopped": stopped,
-        }
+            written = write_plots(self.output_dir)
+            if written:
+                display.write(f"dstrain: plots in {os.path.dirname(written[0])}")
+        except Exception as exc:  # plots are a convenience: never fail a finished run over one
+            log.warning("dstrain: plots not written: %s", exc)
 
     def _timed_save(self, preemption: Preemption) -> str:
         t0 = time.perf_counter()
         path = self.save()
         preemption.save_s = max(preemption.save_s, time.perf_counter() - t0)
         return path
+
+
+@dataclass
+class _Run:
+    """What one `Trainer.run` holds open: its records, console, preemption watch and profiler window."""
+
+    sink: MetricsSink
+    display: Display
+    log: RunLog
+    preemption: Preemption
+    profile_window: tuple[int, int] | None
+    profiler: Profiler | None = None
+    last_saved: str | None = None
+    stopped: str | None = None
+
+    def close(self) -> None:
+        if self.stopped is None:  # stopping: later signals stay ignored up to the process's exit
+            self.preemption.stop()
+        self.display.close()
+        self.sink.close()
 
 
 def _eval_line(rec: dict[str, Any]) -> str:
@@ -528,22 +549,7 @@ def _eval_line(rec: dict[str, Any]) -> str:
     )
 
 
-def _layout_str(layout: dict[str, Any]) -> str:
-    """`2 ranks (dp2, ZeRO-1, fp32)`: the layout's non-trivial parts."""
-    if "dp" not in layout:
-        return f"{layout['world']} ranks"
-    parts = [f"{k}{layout[k]}" for k in ("pp", "tp", "ep", "sp", "dp") if layout.get(k, 1) > 1 or k == "dp"]
-    return f"{layout['world']} rank(s) ({', '.join(parts)}, ZeRO-{layout['stage']}, {layout['precision']})"
-
-
 def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)
-
-
-def _num(x: float | None) -> float | None:
-    """JSON has no NaN/Inf: non-finite values are recorded as null."""
-    if x is None or not math.isfinite(x):
-        return None
-    return x

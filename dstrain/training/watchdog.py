@@ -1,8 +1,8 @@
 """Naming the rank that stopped a multi-rank job: the others must not wait for it until the allocation ends.
 
 Every collective gives up after --collective_timeout (dist.init_distributed), and a rank that dies closes its
-connections at once. Either way the survivors' collective raises; app.main hands the error to `report`, which
-says which rank is to blame and returns PEER_LOST_EXIT_CODE. To know who, each rank leaves in torch's
+connections at once. Either way the survivors' collective raises; `dstrain train` (cli.py) hands the error to `report`,
+which says which rank is to blame, and exits with PeerLostError's code. To know who, each rank leaves in torch's
 rendezvous store a heartbeat per optimizer step (`heartbeat`, one small TCP message) and, on failure, a mark
 that it is alive and gave up itself; the ranks without such a mark after REPORT_GRACE_S are the ones that
 died or hang. The lowest-numbered survivor prints the line. A store that cannot be reached (it lives in rank
@@ -15,14 +15,16 @@ import os
 import re
 import signal
 import socket
-import sys
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as tdist
 
-PEER_LOST_EXIT_CODE = 76  # distinct from 75 (preempted): the run is not resumable as is, a rank is gone
+from dstrain.dist import group_rank_world
+from dstrain.errors import PeerLostError
+
+PEER_LOST_EXIT_CODE = PeerLostError.exit_code
 REPORT_GRACE_S = 5.0  # how long survivors wait for each other's marks before naming the silent ranks
 HANG_ENV = "DSTRAIN_TEST_HANG_AT_STEP"  # "STEP:RANK": that rank sleeps forever before the step (tests)
 DIE_ENV = "DSTRAIN_TEST_DIE_AT_STEP"  # "STEP:RANK": that rank SIGKILLs itself before the step (tests)
@@ -43,17 +45,11 @@ def arm(timeout_s: float) -> None:
     _timeout_s = timeout_s
 
 
-def _world() -> tuple[int, int]:
-    if tdist.is_available() and tdist.is_initialized():
-        return tdist.get_rank(), tdist.get_world_size()
-    return 0, 1
-
-
 def heartbeat(step: int) -> None:
     """Call between optimizer steps with the number done: this rank is alive and about to run step + 1."""
     global _step
     _step = step
-    rank, world = _world()
+    rank, world = group_rank_world()
     if world > 1:
         tdist.distributed_c10d._get_default_store().set(f"{_ALIVE}{rank}", f"{step} {time.time():.3f}")
     if os.environ.get(HANG_ENV) == f"{step + 1}:{rank}":
@@ -65,7 +61,7 @@ def heartbeat(step: int) -> None:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective or the store giving up on another rank (timed out, connection lost)."""
-    if _world()[1] <= 1:
+    if group_rank_world()[1] <= 1:
         return False
     text = str(exc)
     return isinstance(exc, getattr(tdist, "DistError", ())) or (
@@ -75,9 +71,10 @@ def is_peer_failure(exc: BaseException) -> bool:
     )
 
 
-def report(exc: BaseException) -> int:
-    """Print who stopped the job (once, from the lowest surviving rank) and return the exit code."""
-    rank, world = _world()
+def report(exc: BaseException) -> PeerLostError:
+    """The error naming who stopped the job: its message is empty except on the lowest surviving rank (every
+    survivor's when the store is gone)."""
+    rank, world = group_rank_world()
     where = "during setup" if _step is None else f"in step {_step + 1}"
     lost = bool(_LOST.search(str(exc)))
     how = "died" if lost else "stopped responding"
@@ -88,20 +85,18 @@ def report(exc: BaseException) -> int:
         store.set(f"{_GAVE_UP}{rank}", "1")
         time.sleep(REPORT_GRACE_S)
         if any(store.check([f"{_GAVE_UP}{r}"]) for r in range(rank)):
-            return PEER_LOST_EXIT_CODE  # a lower rank reports
+            return PeerLostError()  # a lower rank reports
         silent = [r for r in range(world) if not store.check([f"{_GAVE_UP}{r}"])]
         beats = [b for b in (_beat(store, r) for r in silent) if b is not None]
     except Exception:  # the store's process is gone; no census without it: every survivor says so
         host = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         owner = "torchrun's agent" if agent else "rank 0"
-        _say(
+        return PeerLostError(
             f"{owner}, host of the rendezvous store at {host}, cannot be reached {where}; rank {rank} {then}"
         )
-        return PEER_LOST_EXIT_CODE
     if not silent:
-        _say(f"a collective failed on every rank {where}: {_first_line(exc)}")
-        return PEER_LOST_EXIT_CODE
+        return PeerLostError(f"a collective failed on every rank {where}: {_first_line(exc)}")
     names = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
     ages = sorted({round(time.time() - when) for when in beats})
     span = f"{ages[0]}" if len(ages) == 1 else f"{ages[0]}-{ages[-1]}"
@@ -109,8 +104,7 @@ def report(exc: BaseException) -> int:
         f"last heard {span} s ago" if ages else "never heard from"
     )
     who = f"rank {names}" if len(silent) == 1 else f"ranks {names}"
-    _say(f"{who} {how} {where} ({heard}); rank {rank} {then}")
-    return PEER_LOST_EXIT_CODE
+    return PeerLostError(f"{who} {how} {where} ({heard}); rank {rank} {then}")
 
 
 def _store() -> Any:
@@ -132,7 +126,3 @@ def _beat(store: Any, rank: int) -> float | None:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
-def _say(line: str) -> None:
-    print(f"dstrain: error: {line}", file=sys.stderr, flush=True)

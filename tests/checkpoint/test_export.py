@@ -13,6 +13,7 @@ import dstrain.checkpoint.export as ex
 from dstrain.checkpoint import store
 from dstrain.checkpoint.lora import save_lora_settings
 from dstrain.checkpoint.weights import save_weights
+from dstrain.cli import main as dstrain_main
 from dstrain.model import from_pretrained
 from dstrain.model.hf import SAFE_INDEX
 from dstrain.model.lora import lora_modules, merge_lora
@@ -28,7 +29,7 @@ def test_round_trip_is_bit_identical(trained, tmp_path, capsys):
     """transformers-written folder (bf16, MTP layer, sharded) -> dstrain --max_steps 0 -> export: the same
     key set and the same bits, the config's dtype, the tokenizer alongside; small shards get an index."""
     out = tmp_path / "out"
-    assert ex.main([str(trained["full"]), "--out", str(out), "--verify"]) == 0
+    assert dstrain_main(["export", str(trained["full"]), "--out", str(out), "--verify"]) == 0
     assert "verify: max |logits diff|" in capsys.readouterr().out
     src, got = read_folder(trained["hf"]), read_folder(out)
     assert got.keys() == src.keys()
@@ -50,18 +51,18 @@ def test_user_errors_exit_2(trained, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert ex.main([str(trained["full"]), "--out", str(out)]) == 2
+    assert dstrain_main(["export", str(trained["full"]), "--out", str(out)]) == 2
     assert "is not empty: choose another folder or pass --force" in capsys.readouterr().err
     partial = tmp_path / "step_00000000"
     shutil.copytree(trained["full"], partial)
     (partial / "COMPLETE").unlink()
-    assert ex.main([str(partial), "--out", str(tmp_path / "x")]) == 2
+    assert dstrain_main(["export", str(partial), "--out", str(tmp_path / "x")]) == 2
     assert "is incomplete (no COMPLETE marker" in capsys.readouterr().err
-    assert ex.main([str(tmp_path), "--out", str(tmp_path / "y")]) == 2
+    assert dstrain_main(["export", str(tmp_path), "--out", str(tmp_path / "y")]) == 2
     assert "not a dstrain checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     # an adapter needs LoRA (shared-expert adapters are written in the serving layout: test_lora.py)
-    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "a"), "--adapter_only"]) == 2
+    assert dstrain_main(["export", str(trained["full"]), "--out", str(tmp_path / "a"), "--adapter_only"]) == 2
     assert "no LoRA adapters" in capsys.readouterr().err
 
 
@@ -69,7 +70,10 @@ def test_lora_merged_export(trained, tmp_path):
     """Adapted weights are exported as W + (alpha/r)·B·A, everything else bit for bit; transformers loads the
     folder and --verify (adapters unmerged on dstrain's side) agrees."""
     out = tmp_path / "out"
-    assert ex.main([str(trained["lora3"]), "--out", str(out), "--dtype", "float32", "--verify"]) == 0
+    assert (
+        dstrain_main(["export", str(trained["lora3"]), "--out", str(out), "--dtype", "float32", "--verify"])
+        == 0
+    )
     weights = dict(read_weights(trained["lora3"]))
     got = read_folder(out)
     adapted = expected_default(3)
@@ -94,7 +98,7 @@ def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, monkeypatch, caps
             yield key, (t + 0.05 if key == "model.layers.1.self_attn.o_proj.weight" else t)
 
     monkeypatch.setattr(ex, "to_hf", corrupting)
-    assert ex.main([str(trained["full"]), "--out", str(tmp_path / "out"), "--verify"]) == 1
+    assert dstrain_main(["export", str(trained["full"]), "--out", str(tmp_path / "out"), "--verify"]) == 1
     assert "FAILED" in capsys.readouterr().out
 
 
@@ -125,7 +129,7 @@ def test_adapter_only_loads_with_peft(tmp_path, caplog):
     randomize_adapters(ours)
     ckpt = fake_checkpoint(tmp_path / "step_00000000", ours, base)
     out = tmp_path / "adapter"
-    assert ex.main([str(ckpt), "--out", str(out), "--adapter_only", "--dtype", "float32"]) == 0
+    assert dstrain_main(["export", str(ckpt), "--out", str(out), "--adapter_only", "--dtype", "float32"]) == 0
     conf = json.loads((out / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(base)
     hf = PeftModel.from_pretrained(
@@ -150,7 +154,9 @@ def test_adapter_only_loads_with_peft(tmp_path, caplog):
             r.e_score_correction_bias.add_(0.05 * torch.randn(r.e_score_correction_bias.shape, generator=g))
     ckpt2 = fake_checkpoint(tmp_path / "r" / "step_00000000", again, base)
     out2 = tmp_path / "a2"
-    assert ex.main([str(ckpt2), "--out", str(out2), "--adapter_only", "--dtype", "float32"]) == 0
+    assert (
+        dstrain_main(["export", str(ckpt2), "--out", str(out2), "--adapter_only", "--dtype", "float32"]) == 0
+    )
     assert "modules_to_save, which peft loads and vLLM refuses" in caplog.text
     conf = json.loads((out2 / "adapter_config.json").read_text())
     routers = [
@@ -178,12 +184,15 @@ def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
     )
     train([*run, "--max_steps", "2", "--resume", "auto"])
     ckpts = tmp_path / "run" / "checkpoints"
-    assert ex.main([str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0
+    assert dstrain_main(["export", str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0
     want, got = read_folder(src), read_folder(tmp_path / "out0")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert json.loads((tmp_path / "out0" / "config.json").read_text())["model_type"] == "deepseek_v2"
     capsys.readouterr()
-    assert ex.main([str(ckpts / "step_00000002"), "--out", str(tmp_path / "out2"), "--verify"]) == 0
+    assert (
+        dstrain_main(["export", str(ckpts / "step_00000002"), "--out", str(tmp_path / "out2"), "--verify"])
+        == 0
+    )
     assert "verify: max |logits diff|" in capsys.readouterr().out
     merged = read_folder(tmp_path / "out2")
     changed = [k for k in want if not torch.equal(merged[k], want[k])]

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from dstrain.cli import main as dstrain_main
 from dstrain.data import DataOptions, field_help, load_tokenizer
-from dstrain.data.cli import main
 from dstrain.data.options import add_arguments, from_args
 from tests.helpers.data_files import chat_rows, text_rows, varied_chats, write_jsonl
 from tests.helpers.tiny import byte_tokenizer
@@ -63,7 +63,9 @@ def test_tokenizer_resolution_order(tok_dir, tmp_path):
 
 def test_audit_marks_exactly_the_assistant_replies(tmp_path, tok_dir, capsys):
     path = write_jsonl(tmp_path / "c.jsonl", chat_rows(5, turns=2))
-    code = main(["audit", "--data", path, "--tokenizer", tok_dir, "--n", "2", "--color", "never"])
+    code = dstrain_main(
+        ["data", "audit", "--data", path, "--tokenizer", tok_dir, "--n", "2", "--color", "never"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert (
@@ -81,15 +83,20 @@ def test_audit_rejects_a_chat_without_assistant_turn(tmp_path, tok_dir, capsys):
     path = write_jsonl(
         tmp_path / "c.jsonl", chat_rows(2) + [{"messages": [{"role": "user", "content": "hm"}]}]
     )
-    assert main(["audit", "--data", path, "--tokenizer", tok_dir]) == 2
+    assert dstrain_main(["data", "audit", "--data", path, "--tokenizer", tok_dir]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: data: chat without an assistant turn in ") and "row 3" in err
+    assert err.startswith("dstrain: error: data: chat without an assistant turn in ") and "row 3" in err
 
 
 def test_stats_reports_counts_fill_and_speed(tmp_path, tok_dir, capsys):
     rows = varied_chats(120)
     path = write_jsonl(tmp_path / "c.jsonl", rows)
-    assert main(["stats", "--data", path, "--tokenizer", tok_dir, "--seq_len", "512", "--rounds", "1"]) == 0
+    assert (
+        dstrain_main(
+            ["data", "stats", "--data", path, "--tokenizer", tok_dir, "--seq_len", "512", "--rounds", "1"]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().out)
     tok = byte_tokenizer()
     texts = [tok.apply_chat_template(r["messages"], tokenize=False) for r in rows]

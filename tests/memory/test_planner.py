@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dstrain.memory.planner import main
+from dstrain.cli import main as dstrain_main
 from tests.model.test_config_files import MOONLIGHT
 
 VERDICT = re.compile(r"^(fits|does not fit): predicted peak (\d+\.\d) GiB per rank of 80 GiB$")
@@ -16,7 +16,7 @@ GPUS = ["--num_gpus", "8", "--gpu_memory_gb", "80", "--seq_len", "4096", "--micr
 
 
 def plan(capsys, *args: str) -> tuple[int, list[str], str]:  # noqa: ANN001
-    code = main(list(args))
+    code = dstrain_main(["plan", *args])
     out = capsys.readouterr()
     return code, out.out.strip().splitlines(), out.err
 

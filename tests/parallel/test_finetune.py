@@ -118,11 +118,11 @@ def test_adapters_train_like_one_process(finetuned, reference, name):
 
 @pytest.mark.parametrize("name", list(FINETUNE))
 def test_export_after_finetuning_matches_transformers(finetuned, tmp_path, name, capsys):
-    from dstrain.checkpoint.export import main as export_main
+    from dstrain.cli import main as dstrain_main
 
     tmp, _ = finetuned
     ckpt = tmp / name / f"steps{FT_STEPS}" / "checkpoints" / f"step_{FT_STEPS:08d}"
-    assert export_main([str(ckpt), "--out", str(tmp_path / "hf"), "--verify"]) == 0
+    assert dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--verify"]) == 0
     found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
     assert found and float(found.group(1)) <= 1e-5, found
 

@@ -149,11 +149,14 @@ def test_tokens_per_s_and_mfu_count_each_token_once(two_rank, name):
 def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name, capsys):
     """`dstrain export --verify` on the final checkpoint of a parallel run: the HF folder transformers loads
     gives the logits of dstrain's model built from the checkpoint."""
-    from dstrain.checkpoint.export import main as export_main
+    from dstrain.cli import main as dstrain_main
 
     tmp, _ = two_rank
     ckpt = tmp / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
-    assert export_main([str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32", "--verify"]) == 0
+    assert (
+        dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32", "--verify"])
+        == 0
+    )
     found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
     assert found and float(found.group(1)) <= 1e-5, found
 

@@ -202,7 +202,7 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
     from safetensors.torch import save_file
 
     from dstrain.model.hf import SAFE_INDEX
-    from dstrain.training.cli import main
+    from dstrain.train import main
 
     def broken(name: str, edit) -> str:  # noqa: ANN001
         path = tmp_path / name
@@ -253,7 +253,7 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
     profiler trace of the requested steps; `dstrain plot` redraws them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from dstrain.training.plots import main as plot_main
+    from dstrain.cli import main as dstrain_main
     from tests.helpers.data_files import chat_rows, write_jsonl
 
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(60))
@@ -300,4 +300,4 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "[memory]" in names and any("aten::" in str(n) for n in names)
     (out / "plots" / "loss.png").unlink()
-    assert plot_main([str(out)]) == 0 and (out / "plots" / "loss.png").is_file()
+    assert dstrain_main(["plot", str(out)]) == 0 and (out / "plots" / "loss.png").is_file()

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from dstrain.cli import main as dstrain_main
 from dstrain.training import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,7 +60,7 @@ def _assert_pngs(paths: list[Path], names: set[str]) -> None:
 def test_moe_run_with_eval_and_a_truncated_line(tmp_path: Path, capsys) -> None:
     _write_run(tmp_path, moe=True, evals=True)
     _assert_pngs(plots.write_plots(tmp_path), ALL)
-    assert plots.main([str(tmp_path)]) == 0
+    assert dstrain_main(["plot", str(tmp_path)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == len(ALL)
 
 
@@ -74,9 +75,9 @@ def test_single_step(tmp_path: Path) -> None:
 
 
 def test_missing_or_empty_metrics(tmp_path: Path, capsys) -> None:
-    assert plots.main([str(tmp_path)]) == 2
+    assert dstrain_main(["plot", str(tmp_path)]) == 2
     assert "dstrain: error:" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text('{"step": 5, "tokens": 10, "eval_loss": 3.0}\n')
-    assert plots.main([str(tmp_path)]) == 2
+    assert dstrain_main(["plot", str(tmp_path)]) == 2
     assert "no training metrics to plot" in capsys.readouterr().err
     assert not (tmp_path / "plots").exists()

@@ -1,0 +1,51 @@
+"""Installed, not cloned: the wheel built from this tree, installed into a fresh virtual environment (its
+dependencies are this environment's, made visible by a path file, so nothing is downloaded), runs `dstrain
+train` on its defaults (the shipped DeepSpeed configs and text, package data), `dstrain export --verify` and
+`dstrain plot` from a directory outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests.helpers.tiny import ROOT
+
+
+@pytest.mark.multirank  # several processes, a minute of CPU
+def test_wheel_runs_train_export_and_plot_outside_the_checkout(tmp_path):
+    wheels, venv, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
+    work.mkdir()
+
+    def run(cmd: list, cwd=ROOT, timeout: int = 300) -> subprocess.CompletedProcess:  # noqa: ANN001
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        proc = subprocess.run(
+            [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-4000:])
+        return proc
+
+    pip = [sys.executable, "-m", "pip"]
+    run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, ROOT])
+    run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    with open(os.path.join(site, "dependencies.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    (wheel,) = wheels.glob("dstrain-*.whl")
+    run([*pip, "--python", python, "install", "--no-deps", "-q", wheel])
+    where = run([python, "-c", "import dstrain; print(dstrain.__file__)"], cwd=work).stdout
+    assert where.startswith(site), where
+
+    dstrain = venv / "bin" / "dstrain"
+    train = run([dstrain, "train", "--max_steps", "2", "--output_dir", "run"], cwd=work)
+    assert "dstrain: done at step 2" in train.stdout, train.stdout
+    assert (work / "run" / "ds_config.resolved.json").is_file()
+    run([dstrain, "export", "run", "--out", "hf", "--verify"], cwd=work)
+    assert (work / "hf" / "config.json").is_file()
+    run([dstrain, "plot", "run"], cwd=work)
+    assert (work / "run" / "plots" / "loss.png").is_file()
