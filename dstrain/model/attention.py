@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -127,13 +127,18 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
 class AttentionLayout:
     """How tokens of a batch may attend: plain causal rows, or several documents packed per row, given as the
     (B, 1, T, T) mask SDPA takes, or as cumulative document lengths for a varlen kernel (only what the
-    kernel of this device and dtype uses is built, once per forward, before the first block)."""
+    kernel of this device and dtype uses is built, once per forward, before the first block), and the
+    document id of every position. One per forward: sparse attention keeps each layer's key selection here
+    (GLM-5's shared layers read an earlier layer's) and its indexer's figures (a recomputed layer writes the
+    same ones again)."""
 
     causal_only: bool
     mask: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend (SDPA off the CPU)
-    doc: torch.Tensor | None = None  # (B, T) document id of every position (the CPU kernel)
+    doc: torch.Tensor | None = None  # (B, T) document id of every position
     cu_seqlens: torch.Tensor | None = None  # int32 document boundaries over the flattened batch
     max_seqlen: int = 0
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, k) chosen keys
+    stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its indexer's figures
 
 
 _logged: set[str] = set()
@@ -159,25 +164,39 @@ def attention_layout(
     if path not in _logged:
         _logged.add(path)
         log.info("packed rows on %s/%s: %s", device.type, str(dtype).removeprefix("torch."), path)
+    doc = starts.cumsum(dim=1)
     if kernel is None:
-        doc = starts.cumsum(dim=1)
         if cpu:
             return AttentionLayout(causal_only=False, doc=doc)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-        return AttentionLayout(
-            causal_only=False, mask=((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
-        )
+        return AttentionLayout(causal_only=False, mask=_causal_mask(seq, device, doc), doc=doc)
     flat = starts.flatten().nonzero().flatten()
     cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
-    return AttentionLayout(causal_only=False, cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))
+    longest = int((cu[1:] - cu[:-1]).max())
+    return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=longest)
+
+
+def _causal_mask(seq: int, device: torch.device, doc: torch.Tensor | None) -> torch.Tensor:
+    """(B or 1, 1, T, T) bool: causal, within each document."""
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    if doc is None:
+        return causal[None, None]
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttentionLayout
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    layout: AttentionLayout,
+    selection: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k: (B, T, H, Dqk); v: (B, T, H, Dv) -> (B, T, H, Dv)."""
+    """q, k: (B, T, H, Dqk); v: (B, T, H, Dv) -> (B, T, H, Dv). `selection` (B, T, k): the only keys each
+    query may attend (sparse attention; besides the causal and document masks)."""
     b, t, h, dv = v.shape
-    if layout.cu_seqlens is not None:
+    if selection is not None and selection.shape[-1] >= t:
+        selection = None  # every key is chosen: dense
+    if layout.cu_seqlens is not None and selection is None:
         dqk = q.shape[-1]
         cu, longest = layout.cu_seqlens, layout.max_seqlen
         # The varlen kernels want one head dim for q, k and v: pad v and cut the padding off the output.
@@ -192,10 +211,14 @@ def attend(
         # (B, T, H, d) -> (B * H, T, d) rows in the compute dtype (see kernels.compute_dtype)
         cdtype = compute_dtype(q)
         rows = [x.to(cdtype).transpose(1, 2).reshape(b * h, t, -1) for x in (q, k, v)]
-        out = _cpu_attention(*rows, scale, layout.doc)[0]
+        out = _cpu_attention(*rows, scale, layout.doc, selection)[0]
         return out.view(b, h, t, dv).transpose(1, 2).to(q.dtype)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if layout.causal_only:
+    if selection is not None:  # no sparse kernel here: SDPA over a (B, 1, T, T) mask of the chosen keys
+        mask = layout.mask if layout.mask is not None else _causal_mask(t, q.device, layout.doc)
+        chosen = torch.zeros(b, t, t, dtype=torch.bool, device=q.device).scatter_(-1, selection, True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask & chosen.unsqueeze(1), scale=scale)
+    elif layout.causal_only:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale)
@@ -210,44 +233,70 @@ def _blocks(t: int) -> list[tuple[int, int]]:
 
 
 def _block_scores(
-    qf: torch.Tensor, kf: torch.Tensor, s: int, e: int, scale: float, doc: torch.Tensor | None
-) -> torch.Tensor:
-    """fp32 scaled scores (N, e - s, e) of query rows s:e against keys :e, -inf where a row may not attend:
-    later keys (within the block's own diagonal square) and, with `doc` (B, T), other documents."""
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    s: int,
+    e: int,
+    scale: float,
+    doc: torch.Tensor | None,
+    sel: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 scaled scores (N, e - s, keys) of query rows s:e, -inf where a row may not attend: later keys
+    (within the block's own diagonal square), with `doc` (B, T) other documents, with `sel` (B, T, k) the
+    keys not chosen. -> (scores, the key indices scored: None for all of :e, else the block's chosen keys)."""
+    if sel is not None:
+        chosen = torch.zeros(sel.shape[0], e - s, e, dtype=torch.bool, device=qf.device)
+        chosen.scatter_(
+            -1, sel[:, s:e].clamp(max=e - 1), True
+        )  # a later key clamped to e - 1 is masked anyway
+        allowed = chosen & torch.ones(e - s, e, dtype=torch.bool, device=qf.device).tril_(diagonal=s)
+        if doc is not None:
+            allowed &= doc[:, s:e, None] == doc[:, None, :e]
+        keys = allowed.any(dim=0).any(dim=0).nonzero().flatten()  # the block's keys, shared by its rows
+        scores = torch.bmm(qf[:, s:e], kf[:, keys].transpose(1, 2)).mul_(scale)
+        b = sel.shape[0]
+        scores.view(b, -1, e - s, keys.numel()).masked_fill_(~allowed[:, None, :, keys], float("-inf"))
+        return scores, keys
     scores = torch.bmm(qf[:, s:e], kf[:, :e].transpose(1, 2)).mul_(scale)
     past = torch.ones(e - s, e - s, dtype=torch.bool, device=qf.device).tril_()
     if doc is None:
         scores[:, :, s:e].masked_fill_(~past, float("-inf"))
-        return scores
+        return scores, None
     allowed = doc[:, s:e, None] == doc[:, None, :e]  # (B, e - s, e)
     allowed[:, :, s:e] &= past
     b = doc.shape[0]
     scores.view(b, -1, e - s, e).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
-    return scores
+    return scores, None
 
 
 # Custom ops rather than an autograd.Function: torch.compile calls them as they are instead of unrolling the
 # loop over blocks (a graph growing with T / CPU_BLOCK_ROWS, and its compile time with it).
 @torch.library.custom_op("dstrain::cpu_attention", mutates_args=())
 def _cpu_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    doc: torch.Tensor | None,
+    sel: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over (N, T, d) rows of one dtype (see the top) -> (output, fp32 log-sum-exp (N, T)).
-    Every row attends at least itself, so no row is empty."""
+    Every row attends at least itself, so no row is empty. With `sel` (B, T, k) (sparse attention), a block
+    of rows runs against the union of its rows' chosen keys, each row masked to its own."""
     n, t, _ = q.shape
     qf, kf = q.float(), k.float()
     out = v.new_empty(n, t, v.shape[-1])
     lse = qf.new_empty(n, t)
     for s, e in _blocks(t):
-        p = _block_scores(qf, kf, s, e, scale, doc)
+        p, keys = _block_scores(qf, kf, s, e, scale, doc, sel)
         lse[:, s:e] = m = torch.logsumexp(p, dim=-1)
         p = p.sub_(m.unsqueeze(-1)).exp_()
-        out[:, s:e] = torch.bmm(p.to(v.dtype), v[:, :e])
+        out[:, s:e] = torch.bmm(p.to(v.dtype), v[:, :e] if keys is None else v[:, keys])
     return out, lse
 
 
 @_cpu_attention.register_fake
-def _(q, k, v, scale, doc):  # noqa: ANN001, ANN202
+def _(q, k, v, scale, doc, sel):  # noqa: ANN001, ANN202
     return v.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -261,6 +310,7 @@ def _cpu_attention_backward(
     lse: torch.Tensor,
     scale: float,
     doc: torch.Tensor | None,
+    sel: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     low = q.dtype
     dout = dout.contiguous()
@@ -269,30 +319,37 @@ def _cpu_attention_backward(
     dq = torch.empty_like(q)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)  # summed over blocks in fp32
     for s, e in _blocks(q.shape[1]):
-        p = _block_scores(qf, kf, s, e, scale, doc)
+        p, keys = _block_scores(qf, kf, s, e, scale, doc, sel)
         p = p.sub_(lse[:, s:e].unsqueeze(-1)).exp_()
-        dv[:, :e] += torch.bmm(p.transpose(1, 2).to(low), dout[:, s:e])
-        dp = torch.bmm(doutf[:, s:e], vf[:, :e].transpose(1, 2))
+        cols = slice(0, e) if keys is None else keys
+        dv_block = torch.bmm(p.transpose(1, 2).to(low), dout[:, s:e])
+        dp = torch.bmm(doutf[:, s:e], vf[:, cols].transpose(1, 2))
         ds = dp.sub_(delta[:, s:e].unsqueeze(-1)).mul_(p).mul_(scale).to(low)
-        dq[:, s:e] = torch.bmm(ds, k[:, :e])
-        dk[:, :e] += torch.bmm(ds.transpose(1, 2), q[:, s:e])
+        dq[:, s:e] = torch.bmm(ds, k[:, cols])
+        dk_block = torch.bmm(ds.transpose(1, 2), q[:, s:e])
+        if keys is None:
+            dv[:, :e] += dv_block
+            dk[:, :e] += dk_block
+        else:
+            dv.index_add_(1, keys, dv_block.float())
+            dk.index_add_(1, keys, dk_block.float())
     return dq, dk.to(low), dv.to(low)
 
 
 @_cpu_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, scale, doc):  # noqa: ANN001, ANN202
+def _(dout, q, k, v, out, lse, scale, doc, sel):  # noqa: ANN001, ANN202
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    q, k, v, scale, doc = inputs
+    q, k, v, scale, doc, sel = inputs
     ctx.scale = scale
-    ctx.save_for_backward(q, k, v, *output, doc)
+    ctx.save_for_backward(q, k, v, *output, doc, sel)
 
 
 def _backward(ctx, dout, _dlse):  # noqa: ANN001, ANN202
-    q, k, v, out, lse, doc = ctx.saved_tensors
-    return *_cpu_attention_backward(dout, q, k, v, out, lse, ctx.scale, doc), None, None
+    q, k, v, out, lse, doc, sel = ctx.saved_tensors
+    return *_cpu_attention_backward(dout, q, k, v, out, lse, ctx.scale, doc, sel), None, None, None
 
 
 _cpu_attention.register_autograd(_backward, setup_context=_setup)

@@ -17,11 +17,49 @@ DEEPSEEK_V3_VOCAB = 129280
 # own configs carry it): it is read from there and written back as what trained.
 TRAINING_FIELDS = ("aux_loss_alpha", "bias_update_speed", "mtp_loss_weight")
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
-ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the model families dstrain trains, as data: the code paths are shared."""
+
+    architecture: str
+    hf_config: str
+    """transformers' config class: the defaults of fields a config.json leaves out."""
+    routing: str
+    """'v3': sigmoid scores, expert bias, groups by top-2 sum (noaux_tc); 'v2': softmax, greedy or groups."""
+    sparse_attention: bool = False
+    """DeepSeek Sparse Attention: a lightning indexer selects each query's keys (V3.2, GLM-5)."""
+    indexer_rope_interleave: bool = False
+    """The indexer's rotary pairs are adjacent dims (GLM-5) rather than the two halves (V3.2)."""
+    mtp_key: str = "num_mtp_layers"
+    """The config.json key of the MTP depth written beside `num_nextn_predict_layers` (None: that one only)."""
+    mtp_head_copies: bool = True
+    """The checkpoint's MTP layers carry copies of the embedding and the head (DeepSeek's do, GLM-5's not)."""
+
+
+FAMILIES = {
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "DeepseekV3Config", "v3"),
+    "deepseek_v2": Family("DeepseekV2ForCausalLM", "DeepseekV2Config", "v2"),
+    "deepseek_v32": Family(
+        "DeepseekV32ForCausalLM", "DeepseekV32Config", "v3", sparse_attention=True, mtp_key=""
+    ),
+    "glm_moe_dsa": Family(
+        "GlmMoeDsaForCausalLM",
+        "GlmMoeDsaConfig",
+        "v3",
+        sparse_attention=True,
+        indexer_rope_interleave=True,
+        mtp_key="",
+        mtp_head_copies=False,
+    ),
+}
+ARCHITECTURES = {f.architecture: name for name, f in FAMILIES.items()}
+INDEXER_TYPES = ("full", "shared")
 
 
 def _family(d: dict[str, Any]) -> str:
-    """deepseek_v3 or deepseek_v2, from model_type and architectures; another model_type with a DeepSeek
+    """The family (FAMILIES) from model_type and architectures; another model_type with a DeepSeek
     architecture (kimi_k2, ...) is that architecture; contradictions are errors naming the field."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
     if not isinstance(archs, list) or len(archs) > 1 or any(a not in ARCHITECTURES for a in archs):
@@ -32,7 +70,7 @@ def _family(d: dict[str, Any]) -> str:
             raise ValueError(f"config.json model_type={model_type!r} contradicts architectures={archs!r}")
         return model_type
     if by_arch is None:
-        raise ValueError(f"config.json model_type={model_type!r}: dstrain loads deepseek_v3 or deepseek_v2")
+        raise ValueError(f"config.json model_type={model_type!r}: dstrain loads {', '.join(FAMILIES)}")
     return by_arch
 
 
@@ -40,9 +78,9 @@ def _hf_defaults(family: str) -> dict[str, Any]:
     """The defaults transformers' config class of `family` gives a field that config.json leaves out."""
     import inspect
 
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    import transformers
 
-    cls = DeepseekV3Config if family == "deepseek_v3" else DeepseekV2Config
+    cls = getattr(transformers, FAMILIES[family].hf_config)
     params = inspect.signature(cls.__init__).parameters.values()
     skip = {"self", "kwargs", "rope_parameters", "architectures"}
     return {
@@ -55,7 +93,8 @@ class ModelConfig:
     """Architecture of a DeepSeek-V2/V3 model. Field names follow Hugging Face `config.json`."""
 
     model_type: str = "deepseek_v3"
-    """`deepseek_v3` (sigmoid routing with expert bias, MTP) or `deepseek_v2` (softmax routing)."""
+    """`deepseek_v3` (sigmoid routing with expert bias, MTP), `deepseek_v2` (softmax routing), `deepseek_v32` or
+    `glm_moe_dsa` (V3 with DeepSeek Sparse Attention)."""
     vocab_size: int = DEEPSEEK_V3_VOCAB
     """Rows of the embedding and of the output head."""
     hidden_size: int = 64
@@ -126,6 +165,18 @@ class ModelConfig:
     """End-of-sequence token id (written to config.json)."""
     pad_token_id: int | None = None
     """Padding token id (written to config.json)."""
+    index_topk: int | None = None
+    """DeepSeek Sparse Attention: the keys each query attends to, chosen by its layer's lightning indexer
+    (2048 in V3.2 and GLM-5); None: dense MLA (V2, V3)."""
+    index_n_heads: int = 64
+    """Heads of the lightning indexer."""
+    index_head_dim: int = 128
+    """Dimension of an indexer head (its first qk_rope_head_dim dims are rotary)."""
+    indexer_types: list[str] | None = None
+    """Per main layer: "full" (its own indexer) or "shared" (no indexer: the previous full layer's selection,
+    GLM-5's cross-layer sharing); None: every layer full. MTP blocks are full."""
+    indexer_rope_interleave: bool = False
+    """Rotary pairs of the indexer are adjacent dims (GLM-5) rather than the two halves (DeepSeek-V3.2)."""
     aux_loss_alpha: float = 1e-4
     """α of the sequence-wise balance loss (DeepSeek-V3 eq. 17); 0 disables it. Training only."""
     bias_update_speed: float = 1e-3
@@ -139,8 +190,9 @@ class ModelConfig:
     to_hf_dict so every reader of the original reads the export; None: transformers 5's forms."""
 
     def __post_init__(self) -> None:
-        if self.model_type not in ("deepseek_v3", "deepseek_v2"):
-            raise ValueError(f"model_type={self.model_type!r}: expected 'deepseek_v3' or 'deepseek_v2'")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type={self.model_type!r}: expected one of {', '.join(FAMILIES)}")
+        self._check_sparse_attention()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -201,6 +253,59 @@ class ModelConfig:
             if kind == "yarn" and "factor" not in self.rope_scaling:
                 raise ValueError("rope_scaling: yarn needs 'factor'")
 
+    def _check_sparse_attention(self) -> None:
+        family = FAMILIES[self.model_type]
+        if not family.sparse_attention:
+            if self.index_topk is not None:
+                raise ValueError(
+                    f"index_topk: {self.model_type} has no sparse attention (deepseek_v32, glm_moe_dsa)"
+                )
+            return
+        if self.index_topk is None or self.index_topk < 1:
+            raise ValueError(f"{self.model_type}: index_topk={self.index_topk} must be a positive integer")
+        if self.q_lora_rank is None:
+            raise ValueError(
+                f"{self.model_type}: the indexer reads the compressed query: q_lora_rank is required"
+            )
+        if self.index_n_heads < 1 or not self.qk_rope_head_dim <= self.index_head_dim:
+            raise ValueError(
+                f"index_n_heads={self.index_n_heads} index_head_dim={self.index_head_dim}: need >= 1 heads of at "
+                f"least qk_rope_head_dim={self.qk_rope_head_dim} dims"
+            )
+        types = self.indexer_types
+        if types is not None:
+            if len(types) != self.num_hidden_layers or set(types) - set(INDEXER_TYPES):
+                raise ValueError(
+                    f"indexer_types: one of {INDEXER_TYPES} per main layer ({self.num_hidden_layers}), got {types!r}"
+                )
+            if types[0] != "full":
+                raise ValueError(
+                    "indexer_types[0]: the first layer must be 'full' (a shared layer reuses an earlier one)"
+                )
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek Sparse Attention (a lightning indexer per full layer)."""
+        return self.index_topk is not None
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` (MTP blocks: >= num_hidden_layers) runs its own lightning indexer."""
+        if not self.sparse_attention:
+            return False
+        types = self.indexer_types
+        return types is None or layer_idx >= self.num_hidden_layers or types[layer_idx] == "full"
+
+    def indexer_source(self, layer_idx: int) -> int:
+        """The layer whose selection layer `layer_idx` attends with: itself, or for a shared layer the
+        previous full one."""
+        while not self.has_indexer(layer_idx):
+            layer_idx -= 1
+        return layer_idx
+
     @property
     def is_moe(self) -> bool:
         return bool(self.n_routed_experts)
@@ -229,7 +334,11 @@ class ModelConfig:
         checked, and the forms to write back (model_type, rope fields) are remembered."""
         d = copy.deepcopy(d)
         family = _family(d)
-        source = {"model_type": d.get("model_type"), "rope": {k: d[k] for k in ROPE_KEYS if k in d}}
+        source = {
+            "model_type": d.get("model_type"),
+            "rope": {k: d[k] for k in ROPE_KEYS if k in d},
+            "keys": sorted(d),
+        }
         d["model_type"] = family
         for key, value in _hf_defaults(family).items():
             d.setdefault(key, value)
@@ -245,7 +354,7 @@ class ModelConfig:
         d.pop("rope_theta", None)
         d.pop("rope_scaling", None)
         scoring = d.pop("scoring_func", None)
-        if family == "deepseek_v2":
+        if FAMILIES[family].routing == "v2":
             if scoring not in (None, "softmax"):
                 raise ValueError(f"config.json scoring_func={scoring!r}: deepseek_v2 routes with softmax")
             kwargs["num_nextn_predict_layers"] = 0
@@ -271,6 +380,11 @@ class ModelConfig:
             mtp = d.pop("num_nextn_predict_layers", None)
             mtp_hf = d.pop("num_mtp_layers", None)  # transformers' attribute name for the same thing
             kwargs["num_nextn_predict_layers"] = int(mtp if mtp is not None else (mtp_hf or 0))
+        if FAMILIES[family].sparse_attention:
+            kwargs.update(_sparse_attention_fields(d, family))
+        else:
+            for key in ("index_topk", "index_n_heads", "index_head_dim", "indexer_types"):
+                d.pop(key, None)
         if d.get("moe_layer_freq", 1) != 1:
             raise ValueError(
                 f"config.json moe_layer_freq={d['moe_layer_freq']}: only 1 (every layer past the dense ones) is supported"
@@ -300,15 +414,32 @@ class ModelConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json that transformers' DeepseekV3/V2 configs load, in the source checkpoint's own forms:
-        its model_type (e.g. kimi_k2) and rope fields (rope_theta + rope_scaling for readers older than
+        """A config.json that transformers' config class of the family loads, in the source checkpoint's own
+        forms: its model_type (e.g. kimi_k2) and rope fields (rope_theta + rope_scaling for readers older than
         transformers 5, else rope_parameters); aux_loss_alpha is what trained."""
-        d: dict[str, Any] = {
-            "architectures": [
-                "DeepseekV3ForCausalLM" if self.model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
-            ]
-        }
+        family = self.family
+        d: dict[str, Any] = {"architectures": [family.architecture]}
         skip = {"extra", "hf_source", "rope_theta", "rope_scaling", *TRAINING_FIELDS[1:]}
+        if not family.sparse_attention:
+            skip |= {
+                "index_topk",
+                "index_n_heads",
+                "index_head_dim",
+                "indexer_types",
+                "indexer_rope_interleave",
+            }
+        else:
+            # Only what the source had: transformers hard-codes these per family and ignores the keys.
+            had = set(self.hf_source.get("keys", ())) if self.hf_source else set()
+            if "rope_interleave" not in had:
+                skip.add("rope_interleave")
+            if (
+                "indexer_rope_interleave" not in had
+                and self.indexer_rope_interleave == family.indexer_rope_interleave
+            ):
+                skip.add("indexer_rope_interleave")
+            if self.indexer_types is None:
+                skip.add("indexer_types")
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 d[f.name] = getattr(self, f.name)
@@ -329,12 +460,13 @@ class ModelConfig:
                 rope.update(self.rope_scaling)
             d["rope_parameters"] = rope
         d["num_key_value_heads"] = self.num_attention_heads
-        if self.model_type == "deepseek_v2":
+        if family.routing == "v2":
             for key in ("num_nextn_predict_layers", "rope_interleave", "scoring_func"):
                 d.pop(key)
         else:
             d.pop("topk_method")
-            d["num_mtp_layers"] = self.num_nextn_predict_layers
+            if family.mtp_key:
+                d[family.mtp_key] = self.num_nextn_predict_layers
         d.update({k: v for k, v in self.extra.items() if k not in d})
         return d
 
@@ -345,6 +477,38 @@ class ModelConfig:
             raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
         with open(cfg_file) as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _sparse_attention_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """The indexer's fields of a deepseek_v32 / glm_moe_dsa config.json (taken out of `d`): GLM-5's layer
+    pattern derived as transformers derives it when the file gives none (index_topk_pattern "FSS..", or every
+    index_topk_freq-th layer from index_skip_topk_offset: those keys stay in the file as they were)."""
+    out = {
+        "index_topk": int(d.pop("index_topk")),
+        "index_n_heads": int(d.pop("index_n_heads")),
+        "index_head_dim": int(d.pop("index_head_dim")),
+        "indexer_rope_interleave": bool(
+            d.pop("indexer_rope_interleave", FAMILIES[family].indexer_rope_interleave)
+        ),
+        "rope_interleave": bool(d.pop("rope_interleave", True)),
+    }
+    types = d.pop("indexer_types", None)
+    if types is None and family == "glm_moe_dsa":
+        pattern = d.get("index_topk_pattern")
+        n = int(d["num_hidden_layers"])
+        if pattern is not None:
+            types = (
+                [{"F": "full", "S": "shared"}[c] for c in pattern]
+                if isinstance(pattern, str)
+                else list(pattern)
+            )
+        else:
+            freq, offset = max(int(d.get("index_topk_freq", 1)), 1), int(d.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        if all(t == "full" for t in types):
+            types = None
+    out["indexer_types"] = list(types) if types is not None else None
+    return out
 
 
 def _deepseek_v3(**kw: Any) -> ModelConfig:

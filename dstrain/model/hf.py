@@ -2,7 +2,7 @@
 
 On disk we use the official DeepSeek layout (what transformers' `save_pretrained` also writes): one key per
 routed expert and projection, MTP modules as `model.layers.{num_hidden_layers + k}.*` with their own copies of
-the shared embedding and head. In memory, experts are fused 3-D tensors and MTP modules share the embedding
+the shared embedding and head (except GLM-5's, which have none). In memory, experts are fused 3-D tensors and MTP modules share the embedding
 and head; this table is the only place that knows both.
 """
 
@@ -131,7 +131,8 @@ def to_hf(
     """dstrain (key, tensor) pairs -> (HF key, tensor) pairs, streaming: fused experts split per expert, the
     MTP layers' copies of the shared embedding and head emitted when the shared tensor passes by, floating
     tensors cast to `dtype` (the expert bias stays fp32). A key with no place in `cfg` is a KeyError."""
-    mtp_prefixes = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(cfg.num_nextn_predict_layers)]
+    depth = cfg.num_nextn_predict_layers if cfg.family.mtp_head_copies else 0  # GLM-5's MTP layers have none
+    mtp_prefixes = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(depth)]
     copies = {ds: [p + hf for p in mtp_prefixes] for hf, ds in MTP_SHARED_KEYS.items()}
     if cfg.tie_word_embeddings:  # the head is the embedding: its MTP copies come with it
         copies["embed_tokens.weight"] += copies.pop("lm_head.weight")

@@ -29,6 +29,7 @@ from .attention import (
     softmax_scale,
 )
 from .config import ModelConfig
+from .dsa import Indexer, SparseSettings, sparse_attention
 from .experts import routed_experts
 from .kernels import Linear
 from .loss import Head
@@ -68,11 +69,15 @@ class MLP(nn.Module):
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention with decoupled rotary keys (one rotary key head shared by all heads)."""
+    """Multi-head latent attention with decoupled rotary keys (one rotary key head shared by all heads); with
+    DeepSeek Sparse Attention (dsa.py), each query attends only to the keys its layer's indexer chose."""
 
     seq_parallel: Any = None  # see DeepSeekLM
+    # Tensor parallelism: sums a tensor over the ranks holding the other heads (the indexer's target needs
+    # every head's attention).
+    head_sum: Any = None
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_attention_heads, cfg.hidden_size
@@ -87,16 +92,22 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.scale = softmax_scale(cfg)
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
+        self.sparse = (
+            SparseSettings(layer_idx, cfg.indexer_source(layer_idx)) if cfg.sparse_attention else None
+        )
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout
     ) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
+        qr = None
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            qr = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(qr)
         # Heads are read off the projection by reshape, so `tp` can split q_b/kv_b columns by whole heads.
         q = q.view(b, t, -1, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
@@ -112,7 +123,12 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1)
         sp = self.seq_parallel
-        out = sp.attend(q, k, v, self.scale, layout) if sp else attend(q, k, v, self.scale, layout)
+        if self.sparse is not None:
+            measure = self.sparse.loss or not self.training
+            out = sparse_attention(self.sparse, self.indexer, x, qr, q, k, v, self.scale, rope, layout,
+                                   cfg.index_topk, sp, self.head_sum, measure)  # fmt: skip
+        else:
+            out = sp.attend(q, k, v, self.scale, layout) if sp else attend(q, k, v, self.scale, layout)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -230,7 +246,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg)
+        self.self_attn = MLA(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.recompute: str | None = None  # 'attention' or 'mlp': that sublayer is recomputed in backward
@@ -281,7 +297,9 @@ class ModelOutput(dict):
     """The forward's results, as a dict with attribute access: ZeRO-3's hooks find tensors inside dicts (not
     inside dataclasses). Fields: logits, loss, lm_loss_sum, lm_tokens, mtp_loss_sum, mtp_tokens, aux_loss,
     expert_load, mtp_hits (in eval mode: positions where MTP depth 1's top-1 token is the target, the draft
-    acceptance of speculative decoding); an unset field reads as None."""
+    acceptance of speculative decoding), indexer_stats (sparse attention: fp64 [KL sum, queries, recall sum,
+    queries counted for recall] over the indexers of this forward, dsa.PassResult); an unset field reads as
+    None."""
 
     FIELDS = (
         "logits",
@@ -293,6 +311,7 @@ class ModelOutput(dict):
         "aux_loss",
         "expert_load",
         "mtp_hits",
+        "indexer_stats",
     )
 
     def __getattr__(self, name: str):  # noqa: ANN204
@@ -356,6 +375,9 @@ class DeepSeekLM(nn.Module):
     def _init_module(module: nn.Module, std: float, generator: torch.Generator | None) -> None:
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std, generator=generator)
             if getattr(module, "bias", None) is not None:
@@ -385,6 +407,24 @@ class DeepSeekLM(nn.Module):
             if router.e_score_correction_bias is not None:
                 layer_load = layer_load.float().to(router.e_score_correction_bias.device)
                 router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
+
+    def sparse_settings(self) -> list[SparseSettings]:
+        """Every sparse-attention layer's settings (none without DeepSeek Sparse Attention)."""
+        return [b.self_attn.sparse for b in self.blocks() if b.self_attn.sparse is not None]
+
+    def set_sparse_attention(self, stage: str) -> None:
+        """'dense': dense attention, the indexer learns (the warm-up); 'sparse': attention over the selected
+        keys, the indexer learns by the sparse KL; 'frozen': attention over the selected keys, no indexer loss."""
+        if stage not in ("dense", "sparse", "frozen"):
+            raise ValueError(f"sparse attention stage {stage!r}: choose dense, sparse or frozen")
+        for s in self.sparse_settings():
+            s.dense, s.loss = stage == "dense", stage != "frozen"
+
+    def set_indexer_grad_scale(self, scale: float | None) -> None:
+        """Factor on each indexer's KL-sum gradient (the trainer's global normalisation times the loss
+        coefficient); None: the mean over the forward's queries."""
+        for s in self.sparse_settings():
+            s.grad_scale = scale
 
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'attention' / 'mlp': only that sublayer of
@@ -557,6 +597,8 @@ class DeepSeekLM(nn.Module):
                 sums.append(s)
                 counts.append(c)
             out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
+        if layout.stats:
+            out.indexer_stats = torch.stack(list(layout.stats.values())).sum(0)
         if aux is not None:
             out.aux_loss = aux
             rows = ([loads] if loads is not None else []) + ([torch.stack(mtp_loads)] if mtp_loads else [])

@@ -8,7 +8,16 @@ import json
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+)
 
 from dstrain.model.hf import SAFE_INDEX
 
@@ -24,8 +33,8 @@ YARN = {
 }
 
 
-def v3_config(**overrides) -> DeepseekV3Config:
-    kw = dict(
+def _v3_shape() -> dict:
+    return dict(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=96,
@@ -45,8 +54,10 @@ def v3_config(**overrides) -> DeepseekV3Config:
         max_position_embeddings=128,
         rope_parameters=dict(YARN),
     )
-    kw.update(overrides)
-    return DeepseekV3Config(**kw)
+
+
+def v3_config(**overrides) -> DeepseekV3Config:
+    return DeepseekV3Config(**{**_v3_shape(), **overrides})
 
 
 def v2_config(**overrides) -> DeepseekV2Config:
@@ -77,14 +88,44 @@ def v2_config(**overrides) -> DeepseekV2Config:
     return DeepseekV2Config(**kw)
 
 
+# Sparse attention (DSA): 16 indexer heads, so that exact ties between index scores (where torch.topk's choice
+# is arbitrary) do not occur; top-k 6 of up to 40 keys, so that sparsity is exercised.
+DSA = dict(index_topk=6, index_n_heads=16, index_head_dim=16)
+
+
+def v32_config(**overrides) -> DeepseekV32Config:
+    kw = {**_v3_shape(), **DSA}
+    kw.update(overrides)
+    return DeepseekV32Config(**kw)
+
+
+def glm_config(**overrides) -> GlmMoeDsaConfig:
+    """GLM-5 with a shared-indexer layer: 4 layers, full, full, shared, full."""
+    kw = {**_v3_shape(), **DSA}
+    kw.update(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, index_topk_freq=2,
+              index_skip_topk_offset=2)  # fmt: skip
+    kw.update(overrides)
+    return GlmMoeDsaConfig(**kw)
+
+
+HF_CLASSES = {
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v32": DeepseekV32ForCausalLM,
+    "glm_moe_dsa": GlmMoeDsaForCausalLM,
+}
+
+
 def make_hf_model(config, seed: int = 0, random_bias: bool = True):
-    """A transformers DeepSeek model with every weight random (norms and expert bias too)."""
+    """A transformers DeepSeek model with every weight random (norms, their biases and the expert bias too)."""
     torch.manual_seed(seed)
-    cls = DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else DeepseekV2ForCausalLM
-    model = cls(config).eval()
+    model = HF_CLASSES[config.model_type](config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            if name.endswith("norm.bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif "experts" in name or name.endswith("gate.weight"):
                 p.normal_(0, 0.2)

@@ -1,0 +1,273 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer picks the `index_topk` keys
+each query attends to, and learns by a KL loss against the main attention.
+
+The indexer (`Indexer`, HF keys `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`): queries from MLA's
+compressed query `qr`, one key head from the layer's input, RoPE on their first qk_rope_head_dim dims (half-split
+pairs in V3.2, adjacent in GLM-5), index score I[t, u] = sum_h w_h(t) * ReLU(scale * q_h(t) . k(u)) in fp32 with
+w = weights_proj(x) / sqrt(index_n_heads), causal and document masks, and each query's top index_topk keys,
+shared by every MLA head. T <= index_topk keeps every key: exactly dense MLA. GLM-5's "shared" layers have no
+indexer and attend with the previous full layer's selection.
+
+Training (DeepSeek-V3.2 report, section 2.1; Megatron-LM's dsa.py): the target is the main attention's
+probabilities (detached), summed over all heads and L1-normalised per query, under the same masks; the loss is
+KL(target || softmax(I)) per query, summed over queries, scaled by the caller (the mean over the global batch's
+queries times --indexer_loss_coef). The indexer's inputs (x, qr) are detached, so the main model learns from
+the LM loss alone and the indexer from its KL alone. In the sparse stage both distributions are restricted to
+the selected keys. Nothing (T, T)-sized is kept: `index_pass` walks blocks of query rows, computing scores,
+the selection, the KL and its gradient with respect to the indexer's q, k and w in the same pass; those
+gradients (the size of q, k and w) are kept and handed to autograd when the attention output's gradient
+arrives (`_inject`), scaled by the caller's factor, as Megatron's DSAIndexerLossAutoScaler does.
+
+Top-k is deterministic with a fixed tie rule: among equal scores the later key wins (GLM-5 reports that
+non-deterministic top-k degraded training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionLayout, apply_rope, attend
+from .config import ModelConfig
+from .kernels import Linear
+
+SCORE_ELEMENTS = 1 << 23  # (rows x heads x keys) fp32 score elements per block of query rows: 32 MiB
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer (see the top)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, D), qr (B, T, q_lora_rank) -> q (B, T, heads, dim), k (B, T, dim), w (B, T, heads) fp32."""
+        b, t, _ = x.shape
+        cfg, r = self.cfg, self.cfg.qk_rope_head_dim
+        cos, sin = rope
+        q = self.wq_b(qr).view(b, t, self.n_heads, self.head_dim)
+        k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
+                         self.k_norm.eps).to(x.dtype)  # fmt: skip
+        q_rot, q_pass = q.split([r, self.head_dim - r], dim=-1)
+        k_rot, k_pass = k.split([r, self.head_dim - r], dim=-1)
+        q = torch.cat([apply_rope(q_rot, cos, sin, cfg.indexer_rope_interleave), q_pass], dim=-1)
+        k_rot = apply_rope(k_rot.unsqueeze(2), cos, sin, cfg.indexer_rope_interleave).squeeze(2)
+        k = torch.cat([k_rot, k_pass], dim=-1)
+        w = self.weights_proj(x)
+        w = w.to(torch.promote_types(w.dtype, torch.float32)) * self.n_heads**-0.5
+        return q, k, w
+
+
+@dataclass
+class Target:
+    """The main attention the indexer learns from: q, k (B, T, H, d) detached, its softmax scale, and the sum
+    over the heads that other ranks hold (tensor or sequence parallel), or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    sparse: bool
+    """The sparse stage's loss: both distributions restricted to the selected keys."""
+    head_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class PassResult:
+    selection: torch.Tensor | None
+    """(B, T, k) int64: the keys of each query (padded with repeats where a row has fewer keys than k)."""
+    stats: torch.Tensor
+    """fp64 (4,): KL summed over queries, queries, recall (the target mass inside the selection) summed over
+    queries, queries counted for recall (0 where the target was restricted to the selection)."""
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """d(KL sum)/d(q, k, w) of the indexer."""
+
+
+def _ordered(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 keys that sort like the scores, with the key index as tie-break (the later key wins)."""
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ties 0.0
+    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    return (order << 32) | index
+
+
+def top_keys(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` best keys along the last dim, deterministically (see `_ordered`), in descending order."""
+    k = min(k, scores.shape[-1])
+    return _ordered(scores).topk(k, dim=-1).indices
+
+
+def _valid(s: int, e: int, doc: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    """(B or 1, e - s, e) bool: query rows s:e may see keys :e (causal, same document)."""
+    causal = torch.ones(e - s, e, dtype=torch.bool, device=device).tril_(diagonal=s)
+    if doc is None:
+        return causal.unsqueeze(0)
+    return causal & (doc[:, s:e, None] == doc[:, None, :e])
+
+
+@torch.no_grad()
+def index_pass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    topk: int | None,
+    doc: torch.Tensor | None,
+    target: Target | None = None,
+    grads: bool = False,
+) -> PassResult:
+    """One walk over blocks of query rows: the indexer's scores, each query's `topk` keys (None: no
+    selection), with a `target` the KL loss and the recall, with `grads` the KL's gradient (see the top)."""
+    b, t, heads, dim = q.shape
+    dev = q.device
+    scale = dim**-0.5
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64 for gradcheck
+    qf, kf, wf = q.to(work), k.to(work), w.to(work)
+    width = min(topk, t) if topk is not None else 0
+    selection = torch.empty(b, t, width, dtype=torch.int64, device=dev) if topk is not None else None
+    stats = torch.zeros(4, dtype=torch.float64, device=dev)
+    dq = torch.zeros_like(qf) if grads else None
+    dk = torch.zeros_like(kf) if grads else None
+    dw = torch.zeros_like(wf) if grads else None
+    main_heads = target.q.shape[2] if target is not None else 0
+    rows = max(1, SCORE_ELEMENTS // (b * max(heads, main_heads) * t))
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        c = e - s
+        raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf[:, :e].transpose(1, 2))
+        raw = raw.view(b, c, heads, e).mul_(scale)
+        act = raw.relu()
+        index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
+        valid = _valid(s, e, doc, b, dev).expand(b, c, e)
+        index = index.masked_fill(~valid, float("-inf"))
+        chosen = None
+        if selection is not None:
+            top = top_keys(index, width)
+            if top.shape[-1] < width:  # fewer keys than width: every one is chosen; pad with repeats
+                top = torch.cat([top, top[..., -1:].expand(-1, -1, width - top.shape[-1])], dim=-1)
+            selection[:, s:e] = top
+            chosen = torch.zeros(b, c, e, dtype=torch.bool, device=dev).scatter_(
+                -1, top.clamp(max=e - 1), True
+            )
+        if target is None:
+            continue
+        support = valid & chosen if target.sparse else valid
+        p = _target_block(target, s, e, support)
+        logq = index.masked_fill(~support, float("-inf")).log_softmax(dim=-1)
+        kl = torch.where(support, torch.xlogy(p, p) - p * logq.masked_fill(~support, 0.0), 0.0).sum(-1)
+        stats[0] += kl.sum(dtype=torch.float64)
+        stats[1] += b * c
+        if chosen is not None and not target.sparse:
+            stats[2] += (p * chosen).sum(dtype=torch.float64)
+            stats[3] += b * c
+        if grads:
+            d_index = torch.where(support, logq.exp() - p, 0.0)  # d KL / d I
+            dw[:, s:e] = torch.matmul(act, d_index.unsqueeze(-1)).squeeze(-1)
+            d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (raw > 0) * scale
+            d_raw = d_raw.view(b, c * heads, e)
+            dq[:, s:e] = torch.matmul(d_raw, kf[:, :e]).view(b, c, heads, dim)
+            dk[:, :e] += torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
+    out_grads = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
+    return PassResult(selection, stats, out_grads)
+
+
+def _target_block(target: Target, s: int, e: int, support: torch.Tensor) -> torch.Tensor:
+    """(B, e - s, e) fp32: the main attention's probabilities of query rows s:e over the support, summed over
+    every head (the group's too) and L1-normalised."""
+    work = torch.float64 if target.q.dtype == torch.float64 else torch.float32
+    qm = target.q[:, s:e].to(work).transpose(1, 2)  # (B, H, c, d)
+    km = target.k[:, :e].to(work).transpose(1, 2)  # (B, H, e, d)
+    scores = torch.matmul(qm, km.transpose(-1, -2)).mul_(target.scale)
+    p = scores.masked_fill_(~support.unsqueeze(1), float("-inf")).softmax(dim=-1).sum(dim=1)
+    if target.head_sum is not None:
+        p = target.head_sum(p)
+    return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+class _Inject(torch.autograd.Function):
+    """Identity on the attention output; in backward, the indexer's precomputed KL gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, w, dq, dk, dw, scale):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(dq, dk, dw)
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        dq, dk, dw = ctx.saved_tensors
+        s = ctx.scale
+        return grad, dq * s, dk * s, dw * s, None, None, None, None
+
+
+@dataclass
+class SparseSettings:
+    """How one layer's sparse attention runs (set by DeepSeekLM.set_sparse_attention)."""
+
+    layer: int
+    source: int
+    """The layer whose selection this one attends with (itself unless GLM-5 shares an earlier one's)."""
+    dense: bool = False
+    """The dense warm-up: attention over every key (the indexer still learns)."""
+    loss: bool = True
+    """Compute the indexer's KL (and, training, inject its gradient)."""
+    grad_scale: float | None = None
+    """Factor on the KL sum's gradient; None: 1 / (queries of the forward)."""
+
+
+def sparse_attention(
+    settings: SparseSettings,
+    indexer: Indexer | None,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    layout: AttentionLayout,
+    topk: int,
+    seq_parallel: Any = None,
+    head_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    measure: bool = True,
+) -> torch.Tensor:
+    """MLA's attention with the indexer's selection (q, k, v as `attend` takes them, this rank's part of them
+    under tensor or sequence parallelism). `measure`: compute the KL and recall (and, where the indexer
+    trains, the KL's gradient); in the dense stage or at evaluation the KL is the dense one."""
+    if indexer is None:
+        selection = layout.selections[settings.source]
+        return _attend(seq_parallel, q, k, v, scale, layout, None if settings.dense else selection)
+    iq, ik, iw = indexer(x.detach(), qr.detach(), rope)
+    if seq_parallel is not None:  # the indexer needs every key of the row: the group's whole rows
+        iq, ik, iw = (seq_parallel.gather_rows(z) for z in (iq, ik, iw))
+        q, k, v = (seq_parallel.to_heads(z) for z in (q, k, v))
+        head_sum = seq_parallel.sum
+    trains = torch.is_grad_enabled() and any(p.requires_grad for p in indexer.parameters())
+    sparse_kl = not settings.dense and torch.is_grad_enabled()
+    target = Target(q.detach(), k.detach(), scale, sparse_kl, head_sum) if measure else None
+    result = index_pass(iq, ik, iw, topk, layout.doc, target, grads=measure and settings.loss and trains)
+    layout.selections[settings.layer] = result.selection
+    layout.stats[settings.layer] = result.stats
+    out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
+    if result.grads is not None:
+        factor = settings.grad_scale if settings.grad_scale is not None else 1.0 / (iq.shape[0] * iq.shape[1])
+        out = _Inject.apply(out, iq, ik, iw, *result.grads, factor)
+    return seq_parallel.to_tokens(out) if seq_parallel is not None else out
+
+
+def _attend(seq_parallel, q, k, v, scale, layout, selection):  # noqa: ANN001, ANN202
+    if seq_parallel is None:
+        return attend(q, k, v, scale, layout, selection)
+    q, k, v = (seq_parallel.to_heads(z) for z in (q, k, v))
+    return seq_parallel.to_tokens(attend(q, k, v, scale, layout, selection))
