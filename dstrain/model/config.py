@@ -82,7 +82,9 @@ def _hf_defaults(family: str) -> dict[str, Any]:
 
     cls = getattr(transformers, FAMILIES[family].hf_config)
     params = inspect.signature(cls.__init__).parameters.values()
-    skip = {"self", "kwargs", "rope_parameters", "architectures"}
+    # PretrainedConfig's own fields (id2label, return_dict, ...) describe no architecture: not written back
+    base = set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
+    skip = {"self", "kwargs", "rope_parameters", "architectures", *base}
     return {
         p.name: p.default for p in params if p.name not in skip and p.default is not inspect.Parameter.empty
     }
@@ -393,7 +395,7 @@ class ModelConfig:
         for key, value in d.items():
             if key in names and key not in kwargs:
                 kwargs[key] = value
-            elif key not in kwargs and key not in ("architectures", "num_key_value_heads"):
+            elif key not in kwargs and key != "architectures":
                 extra[key] = value
         # An explicit null (or 0) describes a dense model.
         if not kwargs.get("n_routed_experts"):
@@ -459,12 +461,14 @@ class ModelConfig:
             if self.rope_scaling:
                 rope.update(self.rope_scaling)
             d["rope_parameters"] = rope
-        d["num_key_value_heads"] = self.num_attention_heads
+        # MLA has no key/value heads of its own; the source's value (often its own default) is kept
+        d["num_key_value_heads"] = self.extra.get("num_key_value_heads", self.num_attention_heads)
         if family.routing == "v2":
             for key in ("num_nextn_predict_layers", "rope_interleave", "scoring_func"):
                 d.pop(key)
         else:
-            d.pop("topk_method")
+            if "topk_method" not in (self.hf_source or {}).get("keys", ()):
+                d.pop("topk_method")
             if family.mtp_key:
                 d[family.mtp_key] = self.num_nextn_predict_layers
         d.update({k: v for k, v in self.extra.items() if k not in d})

@@ -151,11 +151,12 @@ def read_folder(path):
     return out
 
 
-def official_folder(path, dtype=torch.bfloat16, shards=2):
-    """An official-layout DeepSeek-V3 folder with an MTP layer, written by transformers then extended the way
-    DeepSeek's published checkpoints are: MTP layer = block + enorm/hnorm/eh_proj/shared_head + copies of
-    the embedding and head. Weights in `dtype`, expert bias fp32, split over `shards` files."""
-    cfg = v3_config(num_mtp_layers=1)
+def official_folder(path, dtype=torch.bfloat16, shards=2, cfg=None):
+    """An official-layout folder (DeepSeek-V3 unless `cfg`) with an MTP layer, written by transformers then
+    extended the way the published checkpoints are: MTP layer = block (with its indexer under sparse
+    attention) + enorm/hnorm/eh_proj/shared_head + copies of the embedding and head (none in GLM-5's). Weights
+    in `dtype`, expert bias fp32, split over `shards` files."""
+    cfg = cfg if cfg is not None else v3_config(num_mtp_layers=1)
     make_hf_model(cfg).save_pretrained(path)
     sd = load_file(path / "model.safetensors")
     (path / "model.safetensors").unlink()
@@ -169,8 +170,9 @@ def official_folder(path, dtype=torch.bfloat16, shards=2):
     sd[f"model.layers.{n}.hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
     sd[f"model.layers.{n}.eh_proj.weight"] = 0.05 * torch.randn(h, 2 * h, generator=g)
     sd[f"model.layers.{n}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
-    sd[f"model.layers.{n}.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
-    sd[f"model.layers.{n}.shared_head.head.weight"] = sd["lm_head.weight"]
+    if cfg.model_type != "glm_moe_dsa":
+        sd[f"model.layers.{n}.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+        sd[f"model.layers.{n}.shared_head.head.weight"] = sd["lm_head.weight"]
     sd = {
         k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)).contiguous() for k, v in sd.items()
     }

@@ -24,6 +24,30 @@ KIMI_K2 = dict(
                   "original_max_position_embeddings": 4096, "type": "yarn"},
     bos_token_id=163584, eos_token_id=163585,
 )  # fmt: skip
+# deepseek-ai/DeepSeek-V3.2 (V3.2-Exp has the same architecture): DeepSeek's inference config
+# (config_671B_v3.2.json) in Hugging Face names; GLM-5 (zai-org/GLM-5, all layers with their own indexer).
+DEEPSEEK_V32 = dict(
+    architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3,
+    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+    n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+    routed_scaling_factor=2.5, num_nextn_predict_layers=1, index_n_heads=64, index_head_dim=128, index_topk=2048,
+    max_position_embeddings=163840, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)  # fmt: skip
+GLM_5 = dict(
+    architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+    intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78, first_k_dense_replace=3,
+    num_attention_heads=64, num_key_value_heads=64, head_dim=64, q_lora_rank=2048, kv_lora_rank=512,
+    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+    norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1, index_n_heads=32,
+    index_head_dim=128, index_topk=2048, indexer_rope_interleave=True, rope_interleave=True,
+    rope_parameters={"rope_theta": 1000000, "rope_type": "default"}, max_position_embeddings=202752,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=[154820, 154827, 154829], pad_token_id=154820,
+)  # fmt: skip
 MOONLIGHT = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=163840, hidden_size=2048,
     intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
@@ -114,6 +138,8 @@ def test_v2_scoring_must_be_softmax():
         ("deepseek-v2-lite", 15.7e9, 2.4e9, False),
         (MOONLIGHT, 16e9, 3e9, True),  # "16B total, 3B activated": Moonshot counts the embedding
         (KIMI_K2, 1.04e12, 32e9, False),  # "1.04T total, 32B activated"
+        (DEEPSEEK_V32, 671e9, 37e9, False),  # V3.2 = V3 + the indexers (0.85B)
+        (GLM_5, 744e9, 40e9, False),  # GLM-5 README: "744B parameters (40B active)"
     ],
 )
 def test_parameter_counts_match_the_published_figures(config, total, active, embedding_counted):

@@ -188,3 +188,62 @@ def test_top_k_is_deterministic_and_the_later_key_wins_a_tie():
     scores = torch.tensor([[0.5, 0.0, 0.0, -0.0, 0.7, 0.0, float("-inf")]])
     assert top_keys(scores, 3).tolist() == [[4, 0, 5]]
     assert torch.equal(top_keys(scores, 3), top_keys(scores.clone(), 3))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_folder_with_mtp_round_trips_bit_identically_and_transformers_loads_the_export(case, tmp_path):
+    """A folder as DeepSeek / Z.ai ship it: the MTP layer a full sparse-attention block (its indexer
+    included), with copies of the embedding and head in V3.2's, none in GLM-5's."""
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.model import save_pretrained
+    from tests.helpers.hf import official_folder, read_folder
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    sd = official_folder(src, cfg=CASES[case](), dtype=torch.float32)
+    n = CASES[case]().num_hidden_layers
+    assert f"model.layers.{n}.self_attn.indexer.wq_b.weight" in sd
+    assert (f"model.layers.{n}.embed_tokens.weight" in sd) == (case == "deepseek_v32")
+    model = from_pretrained(src)
+    assert model.mtp[0].block.self_attn.indexer is not None
+    assert torch.equal(model.mtp[0].eh_proj.weight, sd[f"model.layers.{n}.eh_proj.weight"])
+    save_pretrained(model, dst, max_shard_bytes=64 * 1024)
+    written = read_folder(dst)
+    assert written.keys() == sd.keys()
+    for k in sd:
+        assert written[k].dtype == sd[k].dtype and torch.equal(written[k], sd[k]), k
+    import json
+
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (src, dst))
+    assert exported["model_type"] == case and exported["architectures"] == source["architectures"]
+    assert {k: exported[k] for k in source if k != "transformers_version"} == {
+        k: v for k, v in source.items() if k != "transformers_version"
+    }
+    ids = _ids(CASES[case]().vocab_size)
+    back = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (back(input_ids=ids, use_cache=False).logits - model.eval()(ids).logits).abs().max() <= 1e-5
+    out = model.train()(ids, labels=ids)  # the MTP block, indexer and all, trains
+    out.loss.backward()
+    assert model.mtp[0].block.self_attn.indexer.wq_b.weight.grad.abs().max() > 0
+
+
+def test_fp8_indexer_weights_are_dequantized(tmp_path):
+    """V3.2's published weights keep the indexer's wq_b and wk in FP8 e4m3 with 128x128 block scales."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model(v32_config()).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    want = {}
+    for name in ("wq_b", "wk"):  # wq_b (256, 24): two row blocks of 128, each its own scale
+        key = f"model.layers.1.self_attn.indexer.{name}.weight"
+        w = sd[key]
+        blocks = w.split(128, dim=0)
+        scales = torch.stack([b.abs().amax() / 448 for b in blocks])
+        sd[key] = torch.cat([(b / sc).to(torch.float8_e4m3fn) for b, sc in zip(blocks, scales)])
+        sd[key.replace(".weight", ".weight_scale_inv")] = scales.view(-1, 1).float()
+        want[name] = torch.cat([q.float() * sc for q, sc in zip(sd[key].split(128, dim=0), scales)])
+    save_file(sd, tmp_path / "model.safetensors")
+    indexer = from_pretrained(tmp_path, dtype=torch.float32).layers[1].self_attn.indexer
+    for name, w in want.items():
+        assert torch.equal(getattr(indexer, name).weight, w), name
