@@ -16,7 +16,7 @@ from dstrain.atomic import write_json
 from dstrain.errors import ConfigError
 from dstrain.parallel import ParallelDims
 
-from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, UserFile
+from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, TORCH_COMPILE_OK, UserFile
 from .ds_file import fmt_value as _fmt
 from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 
@@ -168,6 +168,10 @@ def resolve_ds_config(
     if ds.get("steps_per_print", AUTO) == AUTO:
         ds["steps_per_print"] = 2**31 - 1
     _validate_with_deepspeed(ds)
+    # dstrain compiles each block itself (--compile, which the section's torch.compile keys set: ds_file.adopt);
+    # DeepSpeed 0.19's section configures DeepCompile, which only engine.compile() runs and dstrain refuses,
+    # and it refuses the older torch.compile keys.
+    ds.pop("compile", None)
     _check_monitors(ds)
     leftover = _find_auto(ds)
     if leftover:
@@ -360,20 +364,57 @@ def _resolve_zero_autos(zero: dict[str, Any], hidden: int, device_type: str) -> 
 
 
 def _validate_with_deepspeed(ds: dict[str, Any]) -> None:
-    """DeepSpeed's own pydantic models for the sections they cover: a typo fails here, not mid-initialize."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    """DeepSpeed 0.19's own pydantic models, for every section DeepSpeedConfig builds one from: a typo or a
+    wrong type is a one-line error naming the key here, not a traceback from every rank in
+    deepspeed.initialize. ("auto" values are left out: the check for unfilled ones names them better.)"""
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.inference.config import WeightQuantConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.config import HybridEngineConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
     from pydantic import ValidationError
 
-    for name, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config)):
+    models = {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "bf16": DeepSpeedBF16Config,
+        "fp16": DeepSpeedFP16Config,
+        "compile": CompileConfig,
+        "comms_logger": CommsLoggerConfig,
+        "hybrid_engine": HybridEngineConfig,
+        "weight_quantization": WeightQuantConfig,
+        "tensorboard": TensorBoardConfig,
+        "wandb": WandbConfig,
+        "csv_monitor": CSVConfig,
+        "comet": CometConfig,
+        "timers.throughput": DeepSpeedThroughputTimerConfig,
+    }
+    for name, model in models.items():
+        section: Any = ds
+        for key in name.split("."):
+            section = section.get(key, {}) if isinstance(section, dict) else section
+        if not isinstance(section, dict):
+            raise ConfigError(f"ds_config {name}={_fmt(section)}: expected an object")
+        if name == "compile":
+            # its torch.compile keys are dstrain's (ds_file.check_compile), not DeepSpeed 0.19's
+            section = {k: v for k, v in section.items() if k not in TORCH_COMPILE_OK}
         try:
-            model(**ds.get(name, {}))
+            model(**_without_autos(section))
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err.get("loc", ()))
             value = err.get("input")
             shown = f"={_fmt(value)}" if not isinstance(value, dict) else ""
-            raise ConfigError(f"ds_config {name}.{loc}{shown}: {err.get('msg', 'invalid')}") from None
+            msg = " ".join(str(err.get("msg", "invalid")).split())
+            raise ConfigError(f"ds_config {name}.{loc}{shown}: {msg}") from None
+
+
+def _without_autos(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_autos(v) for k, v in node.items() if v != AUTO}
+    return node
 
 
 MONITOR_AUTOS = {

@@ -1,8 +1,13 @@
 """A DeepSpeed JSON file as users write it, read before ds_config.py resolves it.
 
 - Top-level keys are checked against the ones DeepSpeed 0.19 reads (DeepSpeed itself ignores unknown keys, so a
-  misspelled `zero_optimisation` would silently train ZeRO-0): an unknown key is a one-line error naming the
-  nearest valid one.
+  misspelled `zero_optimisation` would silently train ZeRO-0): a near miss of a valid key is a one-line error
+  naming it; any other unknown key (`comms_config`, `monitor_config`: settings no DeepSpeed 0.19 reads, which
+  templates still carry) is left out with one note. Keys starting with `_` are comments (LLaMA-Factory's
+  `"_comment"`), at any depth: dropped without a word.
+- The `compile` section: its torch.compile keys (DeepSpeed's before DeepCompile, e.g. axolotl's
+  `{"disable": false, "backend": "inductor"}`) are read as --compile; DeepSpeed 0.19's own DeepCompile keys are
+  validated and dstrain cannot run DeepCompile itself. The section never reaches DeepSpeed (ds_config.py).
 - An explicit value in the file (not "auto") is the run's setting for the options the user did not set by flag
   or recipe (`adopt`): the file is the source of truth there. A flag that contradicts an explicit file value
   stays an error naming both (ds_config._own).
@@ -27,7 +32,7 @@ AUTO = "auto"
 """A DeepSpeed value dstrain fills (the Hugging Face integration's convention)."""
 OWN_SECTION = "dstrain"
 
-# Every top-level key DeepSpeed 0.19.8's DeepSpeedConfig and the engine read (tests/training/test_ds_user.py
+# Every top-level key DeepSpeed 0.19.8's DeepSpeedConfig and the engine read (tests/config/test_ds_file.py
 # checks this against what DeepSpeedConfig actually looks up).
 DEEPSPEED_KEYS = frozenset(
     """activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet comms_logger
@@ -45,6 +50,25 @@ DEEPSPEED_KEYS = frozenset(
 # DeepSpeed scheduler names that a config's "scheduler.type" may use, and the dstrain shape each one means.
 DS_SCHEDULER_TYPES = {"WarmupCosineLR": "cosine", "WarmupDecayLR": "linear", "WarmupLR": "constant"}
 KNOWN_KEYS = DEEPSPEED_KEYS | {OWN_SECTION, "moe"}  # `moe` is refused with a pointer to --ep (ds_config.py)
+# An unknown key at least this close to a known one (difflib's ratio) is a misspelling and refused: the
+# misspellings users make score 0.85 and up (zero_optimisation 0.94, optimiser 0.89, train_micro_batch_size
+# 0.85), the keys other projects' templates carry that DeepSpeed does not read 0.7 and below (comms_config 0.67
+# against comms_logger, monitor_config 0.56).
+TYPO_CUTOFF = 0.8
+
+# The `compile` section's torch.compile keys (DeepSpeed's section before DeepCompile replaced it: torch.compile's
+# own arguments, then enabled / backend / kwargs), with what dstrain's --compile runs (regional compilation
+# with inductor's defaults). `disable` and `enabled` are the wish itself (ADOPTED).
+TORCH_COMPILE_OK: dict[str, Any] = {
+    "disable": (True, False),
+    "enabled": (True, False),
+    "backend": ("inductor",),
+    "kwargs": ({},),
+    "fullgraph": (False,),
+    "dynamic": (None,),
+    "mode": (None, "default"),
+    "options": (None, {}),
+}
 
 # AutoTP (`tensor_parallel`) and AutoEP (`expert_parallel`) settings: the size key, and every other key with
 # the values dstrain's own implementation matches (a callable: any value it accepts). Anything else is refused.
@@ -134,14 +158,32 @@ def fmt_value(v: Any) -> str:
     return json.dumps(v) if isinstance(v, (bool, list, dict)) or v is None else str(v)
 
 
+def is_comment(key: str) -> bool:
+    """Whether a config key is a comment: JSON has none, so templates write `"_comment": "..."`."""
+    return key.startswith("_")
+
+
 def check_top_level(raw: dict[str, Any], where: str) -> None:
-    for key in raw:
-        if key not in KNOWN_KEYS:
-            near = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.6)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+    """A near miss of a key DeepSpeed reads is an error naming it (other unknown keys: split_layout's note)."""
+    for key in unknown_keys(raw):
+        near = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=TYPO_CUTOFF)
+        if near:
             raise ConfigError(
-                f"{where}: unknown top-level key {key!r}{hint}; DeepSpeed would ignore it silently"
+                f"{where}: unknown top-level key {key!r} (did you mean {near[0]!r}?); DeepSpeed would ignore it"
+                " silently"
             )
+
+
+def unknown_keys(raw: dict[str, Any]) -> list[str]:
+    return [key for key in raw if key not in KNOWN_KEYS and not is_comment(key)]
+
+
+def _without_comments(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_comments(v) for k, v in node.items() if not is_comment(k)}
+    if isinstance(node, list):
+        return [_without_comments(v) for v in node]
+    return node
 
 
 def _allowed(table: dict[str, Any], section: str, key: str, value: Any, why: str) -> None:
@@ -156,11 +198,41 @@ def _allowed(table: dict[str, Any], section: str, key: str, value: Any, why: str
         )
 
 
+def check_compile(sec: Any) -> None:
+    """The `compile` section's torch.compile keys against what --compile runs; DeepCompile refused (its other
+    keys are DeepSpeed's to validate: ds_config._validate_with_deepspeed)."""
+    if not isinstance(sec, dict):
+        raise ConfigError(f"ds_config compile={fmt_value(sec)}: expected an object")
+    for key, value in sec.items():
+        if key in TORCH_COMPILE_OK:
+            _allowed(TORCH_COMPILE_OK, "compile", key, value, "--compile")
+    if "disable" in sec and "enabled" in sec and sec["disable"] == sec["enabled"]:
+        raise ConfigError(
+            f"ds_config compile.disable={fmt_value(sec['disable'])} conflicts with"
+            f" compile.enabled={fmt_value(sec['enabled'])}"
+        )
+    if sec.get("deepcompile") not in (None, False):
+        # DeepCompile runs from engine.compile() with its own ZeRO passes; DeepSpeed would warn and run eager.
+        raise ConfigError(
+            f"ds_config compile.deepcompile={fmt_value(sec['deepcompile'])}: dstrain does not run DeepSpeed's"
+            " DeepCompile; --compile compiles each transformer block with torch.compile"
+        )
+
+
 def split_layout(raw: dict[str, Any]) -> UserFile:
-    """Take dstrain's layout out of the file (see the top)."""
-    ds = {k: v for k, v in raw.items() if k not in ("tensor_parallel", "expert_parallel", OWN_SECTION)}
+    """Take dstrain's layout out of the file, and its comments and the keys DeepSpeed does not read (see the
+    top): `ds` is what ds_config.py resolves."""
+    # DeepSpeed's sections are pydantic models that refuse any key they do not define, `_comment` included.
+    raw = _without_comments(raw)
+    unknown = unknown_keys(raw)
+    dropped = {"tensor_parallel", "expert_parallel", OWN_SECTION, *unknown}
+    ds = {k: v for k, v in raw.items() if k not in dropped}
     out: dict[str, Any] = {}
     notes: list[str] = []
+    if unknown:
+        notes.append(f"ds_config {', '.join(unknown)}: DeepSpeed 0.19 reads no such key; ignored")
+    if "compile" in ds:
+        check_compile(ds["compile"])
     own = raw.get(OWN_SECTION, {})
     if not isinstance(own, dict) or not set(own) <= {"tp_size", "ep_size"}:
         raise ConfigError(
@@ -220,6 +292,8 @@ ADOPTED: list[tuple[tuple[str, ...], str, str, Any]] = [
     (("scheduler", "params", "warmup_num_steps"), "schedule", "warmup_steps", int),
     (("scheduler", "params", "total_num_steps"), "schedule", "max_steps", int),
     (("scheduler", "type"), "schedule", "lr_schedule", lambda v: DS_SCHEDULER_TYPES[v]),
+    (("compile", "disable"), "model", "compile", lambda v: not v),  # check_compile: both are booleans
+    (("compile", "enabled"), "model", "compile", bool),
 ]
 
 

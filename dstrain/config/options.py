@@ -54,12 +54,24 @@ class ModelOptions:
     """Recompute in backward instead of storing: 'full' each transformer block; 'attention' only the attention
     sublayers; 'mlp' only the MLP / MoE sublayers; 'none' stores everything. A bare --activation_checkpointing
     is 'full', --no-activation_checkpointing 'none'."""
+    dsa_stage: Literal["auto", "dense", "sparse", "frozen"] = "auto"
+    """Sparse attention (DeepSeek-V3.2, GLM-5): 'dense' is DeepSeek's warm-up (dense attention, every weight
+    but the lightning indexers frozen, only the indexer loss trains); 'sparse' attends to the chosen keys and
+    trains everything, the indexers by the KL over their chosen keys (DeepSeek's sparse training); 'frozen'
+    attends to the chosen keys with the indexers frozen (what GLM-5 does in RL). auto: 'frozen' when
+    fine-tuning a checkpoint, whose indexers already follow its attention and a fine-tune moves that
+    attention little; 'sparse' for a model built fresh."""
+    indexer_loss_coef: float = 0.01
+    """Weight of the indexers' KL loss (a mean over the step's queries, summed over layers; Megatron-LM's
+    dsa_indexer_loss_coeff, 0.01 in its tests). Only the indexers learn from it; it enters the global gradient
+    norm that clipping uses."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation: inductor, on CPU and GPU);
     the first step, which compiles, is timed and printed."""
 
     def __post_init__(self) -> None:
-        _check(self, non_negative=("moe_bias_update_speed", "moe_aux_loss_alpha", "mtp_loss_weight"))
+        _check(self, non_negative=("moe_bias_update_speed", "moe_aux_loss_alpha", "mtp_loss_weight",
+                                   "indexer_loss_coef"))  # fmt: skip
 
     def config_overrides(self) -> dict[str, float]:
         """The model-config fields these options set (those given)."""

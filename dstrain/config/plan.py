@@ -134,6 +134,7 @@ def prepare(
     folder = opts.model.model if os.path.isdir(opts.model.model) else None
     if folder is not None and model is None:
         check_model_folder(folder, cfg)
+    opts, cfg = _sparse_attention_stage(opts, cfg, folder)
     notes = user.notes
     lora = opts.lora
     if lora.lora_r % 8 and "experts" in lora.targets:  # experts.py: r is a grouped GEMM's inner size
@@ -142,6 +143,23 @@ def prepare(
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
     return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes)
+
+
+def _sparse_attention_stage(
+    opts: Options, cfg: ModelConfig, folder: str | None
+) -> tuple[Options, ModelConfig]:
+    """--dsa_stage resolved ('auto': frozen for a checkpoint, sparse for a fresh model); the dense warm-up
+    keeps the experts' balancing bias as it is (everything but the indexers is frozen)."""
+    stage = opts.model.dsa_stage
+    if not cfg.sparse_attention:
+        if "dsa_stage" in opts.given or "indexer_loss_coef" in opts.given:
+            raise ConfigError(f"--dsa_stage / --indexer_loss_coef: {cfg.model_type} has no sparse attention")
+        return opts, cfg
+    if stage == "auto":
+        stage = "frozen" if folder is not None else "sparse"
+    if stage == "dense":
+        cfg = cfg.replace(bias_update_speed=0.0)
+    return dataclasses.replace(opts, model=dataclasses.replace(opts.model, dsa_stage=stage)), cfg
 
 
 def _accumulation_from_train_batch(opts: Options, user: UserFile, dims: ParallelDims) -> Options:

@@ -6,12 +6,24 @@ that share its streams; `num_workers` 0 and any W give the same rows. Workers at
 stream's state to every `SNAPSHOT_EVERY`-th row of it; the loader's state is, per stream, the last snapshot it
 has *consumed* plus the rows consumed since, so rows prefetched but not yet handed to the trainer are never
 lost or repeated. On resume a stream restores its snapshot and replays those rows.
+
+Workers and stop signals: scancel, a time limit and SLURM's --signal signal every process of the job step,
+workers included. Workers ignore SIGTERM and SIGUSR1: their rank decides (training/preempt.py: stop after the
+step with a checkpoint). Once the rank has such a signal (`watch_stop`), a worker that dies anyway (SIGKILLed,
+or signalled before it could ignore it) is not an error: the rank reads the rows it still needs itself, from
+the same position, and the checkpoint saves it exactly.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import signal
+import threading
+import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +42,65 @@ if TYPE_CHECKING:
 
 FORMAT = "dstrain.data.Loader/2"
 SNAPSHOT_EVERY = 8  # rows of one stream between the snapshots a worker sends
+WORKER_IGNORED_SIGNALS = ("SIGTERM", "SIGUSR1")  # the stop signals of training/preempt.py
+
+
+def _not_stopping() -> bool:
+    return False
+
+
+_stopping: Callable[[], bool] = _not_stopping
+_with_workers: weakref.WeakSet = weakref.WeakSet()  # DataLoader iterators whose workers ignore SIGTERM
+_exit_hook_set = False
+
+
+def watch_stop(stopping: Callable[[], bool] | None) -> None:
+    """`stopping()`: whether this process has a stop signal (the trainer's preemption watch sets it; None: no
+    watch). From then on a worker that dies is not an error (see the top)."""
+    global _stopping
+    _stopping = stopping or _not_stopping
+
+
+def ignoring_stop_signals(init: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    """A DataLoader `worker_init_fn`: WORKER_IGNORED_SIGNALS ignored, then `init` (a picklable partial, so
+    workers may also be spawned)."""
+    return functools.partial(_init_worker, init)
+
+
+def _init_worker(init: Callable[[int], None] | None, worker_id: int) -> None:
+    for name in WORKER_IGNORED_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
+
+
+def _shut_down_workers() -> None:
+    # At exit, before torch's exit hook (registered earlier, run later) stops its own shutdown: an iterator
+    # still referenced then (by an exception's traceback) would be left to multiprocessing, which SIGTERMs
+    # daemonic workers and joins them, forever for workers that ignore SIGTERM. torch does the same for
+    # persistent workers.
+    for it in list(_with_workers):
+        it._shutdown_workers()
+
+
+def _report_dead_workers_late() -> None:
+    """torch reports a dead worker from its SIGCHLD handler, that is at whatever line the rank runs (a
+    collective, a save): once the rank is stopping, the report waits for the next fetch instead."""
+    sig = getattr(signal, "SIGCHLD", None)
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        return
+    torch_handler = signal.getsignal(sig)
+    if not callable(torch_handler) or getattr(torch_handler, "dstrain_late", False):
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if not _stopping():
+            torch_handler(signum, frame)
+
+    handler.dstrain_late = True  # type: ignore[attr-defined]
+    signal.signal(sig, handler)
 
 
 def default_streams(dp_world: int, workers: int) -> int:
@@ -128,7 +199,8 @@ class Loader:
         self._set_streams(opts.data_streams or default_streams(dp_world, opts.num_workers))
         self._rows_done = 0  # this rank's rows handed out
         self._it = None
-        self._live: dict[int, Stream] = {}  # num_workers 0: the streams, in this process
+        self._in_process = opts.num_workers == 0  # or since a worker died while stopping
+        self._live: dict[int, Stream] = {}  # read in this process: the streams
 
     def _set_streams(self, n: int) -> None:
         readers = self.dp_world * self._workers
@@ -165,33 +237,52 @@ class Loader:
 
     def _next_row(self) -> dict:
         s = self._stream_of(self._rows_done)
-        if self.opts.num_workers == 0:
+        row = None if self._in_process else self._row_from_workers(s)
+        if row is None:
             if s not in self._live:
                 self._live[s] = self._open(s, self._states[s])
             stream = self._live[s]
             row = stream.next_batch()
             self._stats[s], self._epochs[s] = stream.stats, stream.epoch
-        else:
-            if self._it is None:
-                self._it = iter(
-                    torch.utils.data.DataLoader(
-                        _Workers(self), batch_size=None, num_workers=self._workers, prefetch_factor=16
-                    )
-                )
-            item = next(self._it)
-            if "error" in item:
-                self.close()
-                raise DataError(item["error"])
-            assert item["stream"] == s, (item["stream"], s)
-            state = self._states[s]
-            if item["snapshot"] is not None:
-                self._states[s] = {"stream": item["snapshot"], "replay": 0}
-            else:
-                self._states[s] = {**state, "replay": state["replay"] + 1}
-            self._stats[s], self._epochs[s] = item["stats"], item["epoch"]
-            row = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in item["row"].items()}
         self._rows_done += 1
         return row
+
+    def _row_from_workers(self, s: int) -> dict | None:
+        """Stream `s`'s next row from the workers; None when one died while this process is stopping."""
+        global _exit_hook_set
+        if self._it is None:
+            loader = torch.utils.data.DataLoader(
+                _Workers(self),
+                batch_size=None,
+                num_workers=self._workers,
+                prefetch_factor=16,
+                worker_init_fn=ignoring_stop_signals(),
+            )
+            self._it = iter(loader)
+            _with_workers.add(self._it)
+            if not _exit_hook_set:
+                atexit.register(_shut_down_workers)
+                _exit_hook_set = True
+            _report_dead_workers_late()
+        try:
+            item = next(self._it)
+        except RuntimeError as exc:  # torch's "DataLoader worker (pid ...) exited unexpectedly / is killed"
+            if not (str(exc).startswith("DataLoader worker") and _stopping()):
+                raise
+            self.close()
+            self._in_process = True  # same rows (any num_workers gives the same), from the consumed position
+            return None
+        if "error" in item:
+            self.close()
+            raise DataError(item["error"])
+        assert item["stream"] == s, (item["stream"], s)
+        state = self._states[s]
+        if item["snapshot"] is not None:
+            self._states[s] = {"stream": item["snapshot"], "replay": 0}
+        else:
+            self._states[s] = {**state, "replay": state["replay"] + 1}
+        self._stats[s], self._epochs[s] = item["stats"], item["epoch"]
+        return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in item["row"].items()}
 
     @property
     def stats(self) -> dict[str, int]:

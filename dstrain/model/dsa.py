@@ -163,8 +163,9 @@ def index_pass(
         if target is None:
             continue
         support = valid & chosen if target.sparse else valid
+        # The KL of two close distributions is a small difference of large terms: float64 from here on
         p = _target_block(target, s, e, support)
-        logq = index.masked_fill(~support, float("-inf")).log_softmax(dim=-1)
+        logq = index.double().masked_fill(~support, float("-inf")).log_softmax(dim=-1)
         kl = torch.where(support, torch.xlogy(p, p) - p * logq.masked_fill(~support, 0.0), 0.0).sum(-1)
         stats[0] += kl.sum(dtype=torch.float64)
         stats[1] += b * c
@@ -172,7 +173,7 @@ def index_pass(
             stats[2] += (p * chosen).sum(dtype=torch.float64)
             stats[3] += b * c
         if grads:
-            d_index = torch.where(support, logq.exp() - p, 0.0)  # d KL / d I
+            d_index = torch.where(support, logq.exp() - p, 0.0).to(work)  # d KL / d I
             dw[:, s:e] = torch.matmul(act, d_index.unsqueeze(-1)).squeeze(-1)
             d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (raw > 0) * scale
             d_raw = d_raw.view(b, c * heads, e)
@@ -183,29 +184,38 @@ def index_pass(
 
 
 def _target_block(target: Target, s: int, e: int, support: torch.Tensor) -> torch.Tensor:
-    """(B, e - s, e) fp32: the main attention's probabilities of query rows s:e over the support, summed over
-    every head (the group's too) and L1-normalised."""
+    """(B, e - s, e) float64: the main attention's probabilities of query rows s:e over the support, summed
+    over every head (the group's too) and L1-normalised."""
     work = torch.float64 if target.q.dtype == torch.float64 else torch.float32
     qm = target.q[:, s:e].to(work).transpose(1, 2)  # (B, H, c, d)
     km = target.k[:, :e].to(work).transpose(1, 2)  # (B, H, e, d)
     scores = torch.matmul(qm, km.transpose(-1, -2)).mul_(target.scale)
-    p = scores.masked_fill_(~support.unsqueeze(1), float("-inf")).softmax(dim=-1).sum(dim=1)
+    p = (
+        scores.masked_fill_(~support.unsqueeze(1), float("-inf"))
+        .softmax(dim=-1)
+        .sum(dim=1, dtype=torch.float64)
+    )
     if target.head_sum is not None:
         p = target.head_sum(p)
     return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
 
 
 class _Inject(torch.autograd.Function):
-    """Identity on the attention output; in backward, the indexer's precomputed KL gradient times `scale`."""
+    """Identity on the attention output; in backward, the indexer's precomputed KL gradient times `scale`,
+    once: a graph walked by several backward calls (a pipeline stage runs one per tensor it sent, with
+    retain_graph) must not add it again."""
 
     @staticmethod
     def forward(ctx, out, q, k, w, dq, dk, dw, scale):  # noqa: ANN001, ANN205
         ctx.save_for_backward(dq, dk, dw)
-        ctx.scale = scale
+        ctx.scale, ctx.done = scale, False
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
+        if ctx.done:
+            return grad, None, None, None, None, None, None, None
+        ctx.done = True
         dq, dk, dw = ctx.saved_tensors
         s = ctx.scale
         return grad, dq * s, dk * s, dw * s, None, None, None, None

@@ -55,6 +55,14 @@ class _SyncGradTail(torch.autograd.Function):
         return torch.cat([head, tail], dim=-1), None, None
 
 
+@torch.no_grad()
+def reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """A copy of `x` summed over the group (no gradient)."""
+    out = x.contiguous().clone()
+    tdist.all_reduce(out, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of `x` split by `send` counts go to each rank of the group; returns the rows received, ordered by
     source rank. Backward sends the gradients back the same way."""

@@ -5,11 +5,14 @@ hidden states; position ids (packed-document boundaries; int, no gradient); the 
 sequence-balance losses (a scalar with gradient, so each router gets its share back through the pipe); with
 MoE layers, the expert loads counted so far (int64, one row per main MoE layer: each stage adds its own rows);
 and, with MTP, the embeddings of the inputs extended by the MTP depth (the last stage's MTP modules need the
-embeddings of the tokens ahead; padding token 0 exactly as the single-device model pads). Labels travel as
+embeddings of the tokens ahead; padding token 0 exactly as the single-device model pads); and, where GLM-5's
+shared sparse-attention layers reuse an earlier layer's key selection, the latest selection (int64: a shared
+layer may start a stage). Labels travel as
 (labels, global target counts of the step). The Tail holds the final norm, head and MTP modules; DeepSpeed
 calls its `loss`, which runs the model's own `finish` (so losses and loads are the single-device model's, MTP
 and aux included) and the objective the pipeline was built with. The pipeline module hands the trainer each
-step's detached outputs (`take_outputs`).
+step's detached outputs (`take_outputs`) and each stage's sparse-attention indexer figures
+(`take_indexer_stats`).
 """
 
 from __future__ import annotations
@@ -49,21 +52,31 @@ def _main_moe_rows(lm: DeepSeekLM) -> list[int]:
 
 
 class _Activations:
-    """The stage-to-stage tuple: (h, pos, aux[, load][, ext]); which optional parts exist is fixed by the
-    model (MoE layers in the main model; MTP depth)."""
+    """The stage-to-stage tuple: (h, pos, aux[, load][, ext][, sel]); which optional parts exist is fixed by
+    the model (MoE layers in the main model; MTP depth; shared sparse-attention layers). Also the stage's
+    running sum of its indexers' figures (not sent: each stage reports its own)."""
 
     def __init__(self, lm: DeepSeekLM) -> None:
         self.has_load = bool(_main_moe_rows(lm))
         self.has_ext = len(lm.mtp) > 0
+        self.has_sel = "shared" in (lm.config.indexer_types or ())
+        self.indexer_stats: torch.Tensor | None = None
 
     def unpack(self, t: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         h, pos, aux, *rest = t
         load = rest.pop(0) if self.has_load else None
         ext = rest.pop(0) if self.has_ext else None
-        return h, pos, aux, load, ext
+        sel = rest.pop(0) if self.has_sel else None
+        return h, pos, aux, load, ext, sel
 
-    def pack(self, h, pos, aux, load, ext) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        return (h, pos, aux) + ((load,) if self.has_load else ()) + ((ext,) if self.has_ext else ())
+    def pack(self, h, pos, aux, load, ext, sel=None) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        optional = ((load, self.has_load), (ext, self.has_ext), (sel, self.has_sel))
+        return (h, pos, aux) + tuple(t for t, has in optional if has)
+
+    def count(self, stats: torch.Tensor | None) -> None:
+        if stats is not None:
+            stats = stats.detach().cpu()
+            self.indexer_stats = stats if self.indexer_stats is None else self.indexer_stats + stats
 
 
 class Embed(nn.Module):
@@ -72,6 +85,7 @@ class Embed(nn.Module):
         self.embed_tokens = lm.embed_tokens
         self.depth = len(lm.mtp)
         self.load_shape = (len(_main_moe_rows(lm)), lm.config.n_routed_experts or 0)
+        self.topk = lm.config.index_topk or 0
         self.acts = acts
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -86,7 +100,8 @@ class Embed(nn.Module):
             h = ext[:, :t].contiguous()
         else:
             h = _grad_carrying(self.embed_tokens(input_ids))
-        return self.acts.pack(h, pos, aux, load, ext)
+        sel = torch.zeros(*input_ids.shape, min(self.topk, t), dtype=torch.int64, device=input_ids.device)
+        return self.acts.pack(h, pos, aux, load, ext, sel)
 
 
 def _grad_carrying(t: torch.Tensor) -> torch.Tensor:
@@ -107,14 +122,21 @@ class BlockLayer(nn.Module):
         object.__setattr__(self, "_ctx", ctx)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        h, pos, aux, load, ext = self.acts.unpack(inputs)
+        h, pos, aux, load, ext, sel = self.acts.unpack(inputs)
         rope, layout = self._ctx(pos)
+        sparse = self.block.self_attn.sparse
+        if sel is not None and sparse.source != self.index:  # a shared layer: the latest full one's keys
+            layout.selections.setdefault(sparse.source, sel)
         h, block_aux, block_load = self._lm.run_block(self.block, h, rope, layout)
         if block_aux is not None:
             aux = aux + block_aux.to(aux.dtype)
             row = torch.tensor([self.row], device=load.device)
             load = load.index_add(0, row, block_load.detach().round().to(load.dtype).unsqueeze(0))
-        return self.acts.pack(_grad_carrying(h), pos, aux, load, ext)
+        if sparse is not None:
+            self.acts.count(layout.stats.get(self.index))
+            if sel is not None and sparse.source == self.index:
+                sel = layout.selections[self.index]
+        return self.acts.pack(_grad_carrying(h), pos, aux, load, ext, sel)
 
 
 class Tail(nn.Module):
@@ -133,7 +155,7 @@ class Tail(nn.Module):
     def loss(
         self, outputs: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        h, pos, aux, load, ext = self.acts.unpack(outputs)
+        h, pos, aux, load, ext, _ = self.acts.unpack(outputs)
         labels, n_global = labels
         t = h.shape[1]
         rope, layout = self._ctx(pos)
@@ -145,6 +167,11 @@ class Tail(nn.Module):
         loads = load.to(torch.float32) if load is not None else None
         out = self._lm.finish(h, ahead, rope, layout, pos, labels, aux, loads, return_logits=False)
         loss = self.objective(out, n_global) + 0.0 * aux  # aux always gets a gradient, even with alpha = 0
+        main = len(self._lm.layers)
+        for layer, stats in layout.stats.items():
+            if layer >= main:  # the MTP blocks' (the main blocks counted themselves)
+                self.acts.count(stats)
+        out.pop("indexer_stats", None)
         self.outputs.append(
             ModelOutput({k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()})
         )
@@ -196,6 +223,7 @@ def build_pipeline(
     layers = pipeline_layers(lm, objective)
     method = parse_partition(partition, dims.pp, len(lm.layers))
     tail = layers[-1]
+    acts = tail.acts
 
     class _Pipe(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
@@ -215,6 +243,11 @@ def build_pipeline(
                 return []
             outputs, tail.outputs = tail.outputs, []
             return outputs
+
+        def take_indexer_stats(self) -> torch.Tensor | None:
+            """This stage's sparse-attention indexer figures since the last call (see ModelOutput)."""
+            stats, acts.indexer_stats = acts.indexer_stats, None
+            return stats
 
     explicit = method
     pipe = _Pipe(

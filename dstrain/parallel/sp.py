@@ -2,7 +2,9 @@
 each holding a contiguous seq_len / sp slice of every row (`dstrain.batch.sequence_shard`, with a halo of the
 tokens that its last positions' LM and MTP targets need).
 
-Everything but attention is token-wise and runs on the local slice. In each MLA layer q, k and v are built
+Everything but attention is token-wise and runs on the local slice. Sparse attention's indexer needs every key
+of a row: its q, k and weights are gathered to whole rows, every rank of the group selects the same keys, and
+the KL's target sums the attention probabilities over the group's heads. In each MLA layer q, k and v are built
 locally (up-projections, RoPE at the tokens' own positions, the shared rotary key expanded to every head),
 then one all-to-all per tensor trades the sequence split for a head split: every rank attends over the
 whole sequence for heads/sp heads, with the document mask of the whole rows (position ids gathered once per
@@ -37,9 +39,9 @@ class SequenceParallel:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: AttentionLayout
     ) -> torch.Tensor:
         """Local (B, T/sp, H, d) -> attention over the whole sequence -> local (B, T/sp, H, dv)."""
-        return self._to_tokens(attend(self._to_heads(q), self._to_heads(k), self._to_heads(v), scale, layout))
+        return self.to_tokens(attend(self.to_heads(q), self.to_heads(k), self.to_heads(v), scale, layout))
 
-    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, c, H, d) -> (B, sp * c, H / sp, d): head block j goes to rank j, sequence slices come back."""
         b, c, h, d = x.shape
         n = self.size
@@ -47,14 +49,19 @@ class SequenceParallel:
         got = all_to_all(rows, [b * c] * n, [b * c] * n, self.group)
         return got.view(n, b, c, h // n, d).permute(1, 0, 2, 3, 4).reshape(b, n * c, h // n, d)
 
-    def _to_tokens(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, sp * c, H / sp, d) -> (B, c, H, d): the inverse of `_to_heads`."""
+    def to_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, sp * c, H / sp, d) -> (B, c, H, d): the inverse of `to_heads`."""
         b, t, hl, d = y.shape
         n = self.size
         c = t // n
         rows = y.reshape(b, n, c, hl, d).permute(1, 0, 2, 3, 4).reshape(n * b * c, -1)
         got = all_to_all(rows, [b * c] * n, [b * c] * n, self.group)
         return got.view(n, b, c, hl, d).permute(1, 2, 0, 3, 4).reshape(b, c, n * hl, d)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, c, ...) slices -> (B, sp * c, ...) whole rows, for work every rank repeats alike on them (the
+        sparse-attention indexer): the gradient of its own slice is this rank's part, not a sum."""
+        return _GatherRows.apply(x, self)
 
     @torch.no_grad()
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +75,19 @@ class SequenceParallel:
         out = x.clone()
         tdist.all_reduce(out, group=self.group)
         return out
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:  # noqa: ANN001
+        ctx.rank, ctx.size = sp.rank, sp.size
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        tdist.all_gather(parts, x.contiguous(), group=sp.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None
 
 
 def apply_sequence_parallel(model: nn.Module, g: Groups) -> None:

@@ -7,7 +7,8 @@ them must be the sum over every head, so it is all-reduced where replicated tens
 inputs of q_b/kv_b, and the shared rotary key k_rope, which leaves kv_a_proj_with_mqa beside the latent and is
 used by every head (DeepSpeed's AutoTP misses this one and trains with wrong gradients).
 MLPs (dense layers and shared experts): gate/up keep rows, down keeps columns, output all-reduced. Routed
-experts and the router stay replicated (shard them with expert parallelism).
+experts and the router stay replicated (shard them with expert parallelism). Sparse attention's indexer stays
+replicated (its inputs are); the KL's target sums the attention probabilities over every rank's heads.
 
 LoRA adapters follow their base weight's split. A column-split linear keeps the rows of B for its output rows
 and the whole A: x A^T enters the split B through `copy_to_group`, so A's gradient (and x's through it) sums
@@ -20,6 +21,8 @@ grad norm counts them (replicated parameters are counted once, sharded ones on e
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -27,7 +30,7 @@ from dstrain.model.kernels import Linear, linear
 from dstrain.model.lora import LoRALinear
 from dstrain.model.model import MLA, MLP
 
-from .comm import copy_to_group, reduce_from_group, sync_grad_tail
+from .comm import copy_to_group, reduce_from_group, reduce_sum, sync_grad_tail
 from .dims import Groups
 
 
@@ -157,6 +160,8 @@ def apply_tensor_parallel(model: nn.Module, g: Groups) -> None:
             kv_a = _swap(module.kv_a_proj_with_mqa, RopeKeySyncLinear, None, g)
             kv_a.rope_dim = cfg.qk_rope_head_dim
             module.kv_a_proj_with_mqa = kv_a
+            if module.sparse is not None:
+                module.head_sum = functools.partial(reduce_sum, group=g.tp)
         elif isinstance(module, MLP):
             module.gate_proj = _swap(module.gate_proj, ColumnParallelLinear, 0, g)
             module.up_proj = _swap(module.up_proj, ColumnParallelLinear, 0, g)

@@ -73,7 +73,8 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
                 model = DeepSeekLM(cfg)
         else:
             model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
-        apply_finetune_options(model, plan.opts.lora, seed)
+        dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
+        apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
         if reader is None:
             return built

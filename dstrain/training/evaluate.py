@@ -6,7 +6,9 @@ batches. Every data-parallel rank runs the same number of micro batches (collect
 ZeRO-3 gathers, expert all-to-all, pipeline sends), so the last ones are padded with rows without targets.
 The figures are sums over the world divided by global counts, so they are the same in every layout (up to
 summation order): the token-mean LM loss over the eval set, its perplexity, the token-mean MTP loss of each
-depth and MTP depth 1's draft acceptance (the share of its targets that its top-1 token hits).
+depth and MTP depth 1's draft acceptance (the share of its targets that its top-1 token hits); with sparse
+attention the indexers' dense KL against the main attention and their recall (the main attention's mass inside
+the chosen keys).
 """
 
 from __future__ import annotations
@@ -44,13 +46,19 @@ class Evaluator:
     """Runs this rank's eval micro batches through the engine and reduces the figures over the world."""
 
     def __init__(
-        self, batches: list[dict[str, torch.Tensor]], mtp_depth: int, device: torch.device, weight: float
+        self,
+        batches: list[dict[str, torch.Tensor]],
+        mtp_depth: int,
+        device: torch.device,
+        weight: float,
+        indexer_weight: float,
     ) -> None:
-        self.batches, self.depth, self.device, self.weight = batches, mtp_depth, device, weight
+        self.batches, self.depth, self.device = batches, mtp_depth, device
+        self.weight, self.indexer_weight = weight, indexer_weight
 
     def run(self, engine: Any, moe_layers: list[int], experts: int | None, pipe: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
-        stats = StepStats(self.depth, self.device, self.weight)
+        stats = StepStats(self.depth, self.device, self.weight, self.indexer_weight)
         dev = self.device
         if pipe:
             ones = torch.ones(1 + self.depth, device=dev)  # the objective's counts: unused without backward
@@ -67,6 +75,7 @@ class Evaluator:
             )
             for out in engine.module.take_outputs():
                 stats.add(out)
+            stats.add_indexer(engine.module.take_indexer_stats())
         else:
             engine.eval()
             try:
@@ -76,9 +85,11 @@ class Evaluator:
                         stats.add(engine(**b))
             finally:
                 engine.train()
-        lm, mtp, _, _, counts, hits = stats.all_reduced(moe_layers, experts)
+        red = stats.all_reduced(moe_layers, experts)
+        lm, mtp, counts, hits = red.lm, red.mtp, red.counts, red.hits
         n = counts.clamp(min=1)
         loss = float(lm / n[0])
+        indexer = {f"eval_{k}": v for k, v in red.indexer_figures().items()}
         return {
             "eval_loss": loss,
             "eval_ppl": math.exp(min(loss, 700.0)),
@@ -86,4 +97,5 @@ class Evaluator:
             "eval_mtp_acc": float(hits / n[1]) if self.depth else None,
             "eval_tokens": int(counts[0]),
             "eval_time_s": time.perf_counter() - t0,
+            **indexer,
         }

@@ -9,10 +9,13 @@ from dstrain.model import DeepSeekLM
 from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
 
 
-def apply_finetune_options(model: DeepSeekLM, lora: LoRAOptions, seed: int) -> list[str]:
+def apply_finetune_options(
+    model: DeepSeekLM, lora: LoRAOptions, seed: int, dsa_stage: str | None = None
+) -> list[str]:
     """LoRA (lora_r > 0) on `lora_targets`, then the router weights and the MTP modules made trainable or
-    frozen (train_router, train_mtp). The expert bias is a buffer, governed by --moe_bias_update_speed alone.
-    Returns the adapted module names ([] without LoRA)."""
+    frozen (train_router, train_mtp), then the sparse-attention stage's freezing: the dense warm-up trains the
+    lightning indexers alone, the frozen stage everything but them. The expert bias is a buffer, governed by
+    --moe_bias_update_speed alone. Returns the adapted module names ([] without LoRA)."""
     names: list[str] = []
     if lora.lora_r > 0 and lora.train_router and "gate" in lora.targets:
         raise ConfigError(
@@ -33,6 +36,18 @@ def apply_finetune_options(model: DeepSeekLM, lora: LoRAOptions, seed: int) -> l
     for router in model.routers():
         if not isinstance(router, LoRARouter):
             router.weight.requires_grad = lora.train_router
+    indexers = {
+        id(p)
+        for b in model.blocks()
+        if b.self_attn.indexer is not None
+        for p in b.self_attn.indexer.parameters()
+    }
+    if dsa_stage == "dense":
+        for p in model.parameters():
+            p.requires_grad = p.requires_grad and id(p) in indexers
+    elif dsa_stage == "frozen":
+        for p in model.parameters():
+            p.requires_grad = p.requires_grad and id(p) not in indexers
     if names:
         model.lora_settings.update(
             train_router=bool(lora.train_router),

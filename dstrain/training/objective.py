@@ -12,7 +12,7 @@ row means is the global row mean). The combination itself is the model's `combin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,12 +58,36 @@ def micro_loss(out: ModelOutput, n_global: torch.Tensor, scale: float, w: Weight
     return combine_losses(lm, mtp, aux, w.alpha, w.lam)
 
 
+class Reduced(NamedTuple):
+    """A step's (or an evaluation's) figures summed over the world."""
+
+    lm: torch.Tensor
+    mtp: torch.Tensor
+    aux: torch.Tensor
+    load: torch.Tensor | None
+    counts: torch.Tensor
+    hits: torch.Tensor
+    indexer: torch.Tensor
+    """Sparse attention: [KL sum, queries, recall sum, queries counted for recall] (dsa.PassResult)."""
+
+    def indexer_figures(self) -> dict[str, float | None]:
+        """indexer_loss: the indexers' KL, mean over layers and queries; indexer_recall: the share of the
+        main attention's mass inside the selected keys (where the target was dense); {} without indexers."""
+        kl, rows, recall, recall_rows = (float(x) for x in self.indexer)
+        if not rows:
+            return {}
+        return {"indexer_loss": kl / rows, "indexer_recall": recall / recall_rows if recall_rows else None}
+
+
 class StepStats:
     """Sums of one step's (or one evaluation's) micro-batch outputs on this rank: LM and per-depth MTP loss
-    sums, balance loss, target counts, expert loads and MTP depth-1 top-1 hits (eval). `weight` 0 on ranks
-    whose numbers are a copy of another rank's."""
+    sums, balance loss, target counts, expert loads, MTP depth-1 top-1 hits (eval) and the indexers' figures.
+    `weight` 0 on ranks whose numbers are a copy of another rank's; `indexer_weight` likewise for the
+    indexers' (sequence-parallel ranks compute them for whole rows alike)."""
 
-    def __init__(self, depth: int, device: torch.device, weight: float) -> None:
+    def __init__(
+        self, depth: int, device: torch.device, weight: float, indexer_weight: float | None = None
+    ) -> None:
         f64 = dict(dtype=torch.float64, device=device)
         self.lm, self.mtp, self.aux = (
             torch.zeros((), **f64),
@@ -73,7 +97,9 @@ class StepStats:
         self.counts = torch.zeros(1 + depth, dtype=torch.int64, device=device)
         self.hits = torch.zeros((), **f64)
         self.load: torch.Tensor | None = None
+        self.indexer = torch.zeros(4, **f64)
         self.weight, self.seen = weight, 0
+        self.indexer_weight = weight if indexer_weight is None else indexer_weight
 
     def add(self, out: Any) -> None:
         self.seen += 1
@@ -89,10 +115,16 @@ class StepStats:
         if out.expert_load is not None:
             load = out.expert_load.detach().double()
             self.load = load if self.load is None else self.load + load
+        self.add_indexer(out.indexer_stats)
 
-    def all_reduced(self, moe_layers: list[int], experts: int | None) -> tuple:
-        """-> (lm sum, mtp sums, aux sum, loads (MoE layers, E) or None, counts (1 + depth), mtp hits) summed
-        over the world, in one all-reduce (every rank takes part, with zeros where it saw no outputs)."""
+    def add_indexer(self, stats: torch.Tensor | None) -> None:
+        """Sparse-attention indexer figures (a pipeline stage reports its own apart from the outputs)."""
+        if stats is not None:
+            self.indexer += stats.to(self.indexer.device)
+
+    def all_reduced(self, moe_layers: list[int], experts: int | None) -> Reduced:
+        """The sums over the world, in one all-reduce (every rank takes part, with zeros where it saw no
+        outputs)."""
         w, depth = self.weight, self.mtp.numel()
         load = self.load
         if load is None and moe_layers:
@@ -101,9 +133,11 @@ class StepStats:
         parts = [self.lm.view(1), self.mtp, self.aux.view(1), counts, self.hits.view(1)]
         if load is not None:
             parts.append(load.flatten())
-        stats = dist.all_reduce(torch.cat(parts) * w)
-        lm, mtp, aux, counts, hits, g_load = stats.split(
-            [1, depth, 1, 1 + depth, 1, stats.numel() - 4 - 2 * depth]
+        parts = [x * w for x in parts]
+        parts.insert(0, self.indexer * self.indexer_weight)
+        stats = dist.all_reduce(torch.cat(parts))
+        indexer, lm, mtp, aux, counts, hits, g_load = stats.split(
+            [4, 1, depth, 1, 1 + depth, 1, stats.numel() - 8 - 2 * depth]
         )
         g_load = g_load.view(load.shape) if load is not None else None
-        return lm[0], mtp, aux[0], g_load, counts, hits[0]
+        return Reduced(lm[0], mtp, aux[0], g_load, counts, hits[0], indexer)

@@ -6,6 +6,10 @@ rank stops after the same step even when one rank alone was signalled. The train
 checkpoint and the process exits with PREEMPTED_EXIT_CODE, which `launch/slurm.sbatch` turns into a requeue.
 Further signals are ignored from then on: the save finishes, and a kill that still comes (SIGKILL after the
 grace period) leaves a checkpoint without its COMPLETE marker, which no resume loads.
+
+scancel, a time limit and --signal reach every process of the job step: DataLoader workers ignore these
+signals (the rank decides), and from the rank's first one on a worker that dies anyway is no error: the rank
+reads the rows it still needs itself (dstrain/data/loader.py, told by `watch_stop`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from typing import Any
 import torch
 
 from dstrain import dist
+from dstrain.data.loader import watch_stop
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the run resumes with --resume auto
-SIGNALS = ("SIGTERM", "SIGUSR1")
+SIGNALS = ("SIGTERM", "SIGUSR1")  # DataLoader workers ignore them (data/loader.py WORKER_IGNORED_SIGNALS)
 
 
 class Preemption:
@@ -38,11 +43,18 @@ class Preemption:
             sig = getattr(signal, name, None)
             if sig is not None:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+        watch_stop(self.stopping)
 
     def stop(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        watch_stop(None)
+
+    def stopping(self) -> bool:
+        """Whether this rank stops after the current step (or is stopping): it has a signal, or the ranks
+        agreed to stop."""
+        return self.received is not None or self.reason is not None
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         self.received = self.received or signal.Signals(signum).name

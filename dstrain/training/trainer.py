@@ -109,8 +109,7 @@ class Trainer:
             batches = [
                 self._shard(b) for b in local_batches(self.eval_rows, micro, self.data_rank, self.dims.data)
             ]
-            weight = 1.0 if self.tp_rank == 0 else 0.0
-            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, weight)
+            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, *self._stat_weights())
         seed_everything(opts.run.seed, self.info.rank)
         # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
         deepspeed.utils.groups.mpu = None
@@ -118,6 +117,8 @@ class Trainer:
         model, module, mpu = built.model, built.module, built.mpu
         self.groups, self.load_stats = built.groups, built.load
         model.set_activation_checkpointing(opts.model.activation_checkpointing)
+        if self.cfg.sparse_attention:
+            model.set_sparse_attention(opts.model.dsa_stage)
         if opts.model.compile:
             if self.pipe:
                 # DeepSpeed's pipeline runs backward from each stage output with retain_graph=True, which
@@ -228,7 +229,13 @@ class Trainer:
         n_global = self._dp_sum(local_counts.to(dev, torch.float64)).to(torch.float32)
         lr = float(self.engine.get_lr()[0])
         # Ranks holding a copy of another's numbers (tensor-parallel peers) count them with weight 0.
-        stats = StepStats(self.mtp_depth, dev, weight=1.0 if self.tp_rank == 0 else 0.0)
+        stats = StepStats(self.mtp_depth, dev, *self._stat_weights())
+        if (
+            self.cfg.sparse_attention
+        ):  # the indexers' KL: a mean over the step's queries, times the coefficient
+            queries = self.plan.global_batch_rows * seq_len
+            coef = self.opts.model.indexer_loss_coef
+            self.model.set_indexer_grad_scale(coef * self.scale / self.ga / queries)
         run = self._pipe_batches if self.pipe else self._micro_batches
         skip, grad_norm = run(step, batches, n_global, stats)
         if stats.seen and not torch.equal(stats.counts.cpu(), local_counts):
@@ -236,9 +243,8 @@ class Trainer:
                 f"step {step}: the model counted {stats.counts.tolist()} targets, the trainer {local_counts.tolist()}"
             )
         # One collective for every statistic; pipeline stages without the loss send zeros.
-        g_lm, g_mtp, g_aux, g_load, _, _ = stats.all_reduced(
-            self.model.moe_layer_ids, self.cfg.n_routed_experts
-        )
+        red = stats.all_reduced(self.model.moe_layer_ids, self.cfg.n_routed_experts)
+        g_lm, g_mtp, g_aux, g_load = red.lm, red.mtp, red.aux, red.load
         if self.pipe and not math.isfinite(float(g_lm)) and not skip:
             skip = True
             if self.opts.run.nan_policy == "stop":
@@ -277,7 +283,14 @@ class Trainer:
             "tokens_per_s": step_tokens / step_time,
             "seq_len": seq_len,
             "moe_imbalance": self._imbalance(g_load),
+            **red.indexer_figures(),
         }
+
+    def _stat_weights(self) -> tuple[float, float]:
+        """(weight of this rank's loss figures, of its indexer figures): tensor-parallel peers hold copies of
+        both, sequence-parallel peers copies of the indexers' (computed for whole rows)."""
+        first = 1.0 if self.tp_rank == 0 else 0.0
+        return first, first if self.sp_rank == 0 else 0.0
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (every rank of a pipeline / tensor-parallel group reads the same
@@ -335,6 +348,7 @@ class Trainer:
         self.engine.train_batch(data_iter=iter([feed(b) for b in batches]))
         for out in self.engine.module.take_outputs():
             stats.add(out)
+        stats.add_indexer(self.engine.module.take_indexer_stats())
         return False, None
 
     def _local_full_grad_norm(self) -> float:

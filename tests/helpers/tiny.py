@@ -78,3 +78,12 @@ def byte_tokenizer(
     if chat_template:
         tok.chat_template = chat_template
     return tok
+
+
+def tiny_dsa_config(**kw: Any):  # noqa: ANN201 - a dstrain ModelConfig
+    """`tiny_config` with DeepSeek Sparse Attention: each query attends 8 keys (rows of the tests are longer),
+    4 indexer heads of 16 dims; `glm=True`: GLM-5's, the second layer sharing the first one's selection."""
+    glm = kw.pop("glm", False)
+    base = dict(model_type="glm_moe_dsa" if glm else "deepseek_v32", index_topk=8, index_n_heads=4,
+                index_head_dim=16, indexer_rope_interleave=glm, indexer_types=["full", "shared"] if glm else None)  # fmt: skip
+    return tiny_config(**{**base, **kw})

@@ -145,6 +145,10 @@ def reference_run(
     )
     sched = make_scheduler_factory(s)(opt)
     w = Weights.of(cfg)
+    if cfg.sparse_attention:  # one forward per step: the indexers' KL is a mean over its queries
+        stage = opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse"
+        model.set_sparse_attention(stage)
+        model.set_indexer_grad_scale(opts.model.indexer_loss_coef / (global_batch * SEQ))
     out_recs = []
     for step in range(steps):
         batch = stack([global_row(step * global_batch + j) for j in range(global_batch)])
@@ -159,7 +163,10 @@ def reference_run(
         opt.zero_grad()
         sched.step()
         model.update_expert_bias(out.expert_load)
-        out_recs.append({"loss": float(loss.detach()), "grad_norm": float(norm)})
+        rec = {"loss": float(loss.detach()), "grad_norm": float(norm)}
+        if out.indexer_stats is not None:
+            rec["indexer_loss"] = float(out.indexer_stats[0] / out.indexer_stats[1])
+        out_recs.append(rec)
     if state is not None:  # the final weights and eval figures, for callers comparing them
         state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         state["eval"] = reference_eval(model, eval_rows())

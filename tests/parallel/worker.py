@@ -25,6 +25,7 @@ LORA = (
     "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts,gate"
 )
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
+DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"  # a coefficient that makes the indexers' share visible
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
     "tp2": "--config zero1 --tp 2",
@@ -54,6 +55,15 @@ LAYOUTS = {  # name -> flags
     "ep2_lora": f"--config zero2 --ep 2 {LORA}",
     "dp1_lora": f"--config zero1 {LORA}",
     "tp2_lora": f"--config zero1 --tp 2 {LORA}",
+    # DeepSeek Sparse Attention (test_layouts.py::test_sparse_attention_layouts_match_one_process): the
+    # sparse stage, rows of 32 tokens against a top-k of 8; GLM-5's shared layer starts the second stage
+    "dsa_z3": f"--config zero3 {DSA}",
+    "dsa_pp2": f"--config zero1 --pp 2 {DSA}",
+    "glm_pp2": f"--config zero1 --pp 2 {DSA}",
+    "dsa_tp2": f"--config zero1 --tp 2 {DSA}",
+    "dsa_ep2": f"--config zero2 --ep 2 {DSA}",
+    "dsa_sp2": f"--config zero1 --sp 2 {DSA}",
+    "dsa_dp1": f"--config zero1 {DSA}",
 }
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
@@ -92,6 +102,15 @@ FINETUNE = {
 FT_STEPS = 3
 
 
+def model_for(layout: str):  # noqa: ANN201 - a dstrain ModelConfig
+    """The tiny test model a layout trains: with sparse attention for dsa_* (V3.2) and glm_* (GLM-5)."""
+    from tests.helpers.tiny import tiny_config, tiny_dsa_config
+
+    if layout.startswith(("dsa_", "glm_")):
+        return tiny_dsa_config(glm=layout.startswith("glm_"))
+    return tiny_config()
+
+
 def trainer(
     flags: str,
     out_dir: str,
@@ -100,17 +119,21 @@ def trainer(
     extra: str = "",
     hf: str | None = None,
     evaluate: bool = False,
+    cfg=None,  # noqa: ANN001
 ):  # noqa: ANN201
     """Train `flags` (a layout) with the common settings for its data-parallel size, on the tiny test model
-    or the HF folder `hf`."""
+    (or `cfg`) or the HF folder `hf`."""
     if hf is not None:
         extra = f"{extra} --model {hf}"
     from dstrain.config.plan import prepare
     from tests.helpers.tiny import tiny_config
 
-    dp = prepare(make_options(flags.split()), info.world_size, model=tiny_config()).dims.data
+    cfg = cfg or tiny_config()
+    dp = prepare(make_options(flags.split()), info.world_size, model=cfg).dims.data
     opts = make_options(f"{flags} {common(dp)} {extra}".split())
-    return make_trainer(opts, out_dir, info, resume=resume, eval_rows=eval_rows() if evaluate else None)
+    return make_trainer(
+        opts, out_dir, info, cfg=cfg, resume=resume, eval_rows=eval_rows() if evaluate else None
+    )
 
 
 def main(out: str, layouts: list[str]) -> None:
@@ -120,11 +143,12 @@ def main(out: str, layouts: list[str]) -> None:
     for name in layouts:
         base = f"{out}/{name}"
         t0 = time.perf_counter()
-        tr = trainer(LAYOUTS[name], f"{base}/straight", info, evaluate=True)
+        tr = trainer(LAYOUTS[name], f"{base}/straight", info, evaluate=True, cfg=model_for(name))
         tr.run()
         wall = time.perf_counter() - t0
         hist = [
-            {k: r[k] for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu")} for r in tr.history
+            {k: r.get(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "indexer_loss")}
+            for r in tr.history
         ]
         evals = tr.eval_history
         tr = trainer(
@@ -133,6 +157,7 @@ def main(out: str, layouts: list[str]) -> None:
             info,
             resume=f"{base}/straight/checkpoints/step_00000003",
             evaluate=True,
+            cfg=model_for(name),
         )
         tr.run()
         resumed = [r["loss"] for r in tr.history]

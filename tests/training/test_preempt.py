@@ -1,7 +1,10 @@
-"""Preemption: SIGTERM to one rank (again and again, so some arrive during the save) or --time_limit stops every
-rank after the same step with a complete checkpoint and exit code 75, and the run resumed from it logs the
-uninterrupted run's losses bit for bit. Ranks start the way launch/slurm.sbatch's srun starts them (one process
-each, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), so each rank's own exit code is seen."""
+"""Preemption: SIGTERM to one rank (again and again, so some arrive during the save), SIGTERM or SIGUSR1 to every
+process of the run (DataLoader workers included, as scancel, a time limit and SLURM's --signal send them; one
+worker SIGKILLed on top) or --time_limit stops every rank after the same step with a complete checkpoint and
+exit code 75, and the run resumed from it logs the uninterrupted run's losses bit for bit. Ranks start the way
+launch/slurm.sbatch's srun starts them (one process each, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), so each
+rank's own exit code is seen. (Not torchrun: it starts each rank in a session of its own, exits 1 on SIGTERM
+whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.)"""
 
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import time
 
 import pytest
 
-from dstrain.training.preempt import PREEMPTED_EXIT_CODE
+from dstrain.data.loader import WORKER_IGNORED_SIGNALS
+from dstrain.training.preempt import PREEMPTED_EXIT_CODE, SIGNALS
 from tests.helpers.ranks import free_port
 from tests.helpers.tiny import ROOT
 
@@ -35,16 +39,18 @@ ARGS = [
 ARGS += ["--no-plots", "--no-tensorboard", "--num_workers", "0"]
 
 
-def _start(out, extra: list[str]) -> list[subprocess.Popen]:
+def _start(out, extra: list[str], group: bool = False) -> list[subprocess.Popen]:
+    """Both ranks; `group`: in a process group of their own (rank 0's pid), workers included."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank))  # as srun sets them
         cmd = [sys.executable, "dstrain/train.py", *ARGS, "--output_dir", str(out), *extra]
+        where = {"process_group": procs[0].pid if procs else 0} if group else {}
         procs.append(
             subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **where
             )
         )
     return procs
@@ -98,3 +104,60 @@ def test_time_limit_stops_before_it_is_up(tmp_path):
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert (out / "checkpoints" / latest / "COMPLETE").is_file()
     assert time.monotonic() - t0 < 120
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The DataLoader worker processes of process `pid` (torch names them pt_data_worker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115 - /proc reads
+            comm = open(f"/proc/{entry}/comm").read().strip()  # noqa: SIM115
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and comm == "pt_data_worker":
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def straight_workers(tmp_path_factory):
+    """The uninterrupted 10 steps with a DataLoader worker per rank: their losses."""
+    out = tmp_path_factory.mktemp("straight_workers")
+    codes, text = _finish(_start(out, ["--max_steps", "10", "--num_workers", "1"]))
+    assert codes == [0, 0], text[-3000:]
+    return _losses(out)
+
+
+@pytest.mark.parametrize(("sig", "kill_worker"), [("SIGTERM", False), ("SIGUSR1", False), ("SIGTERM", True)])
+def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
+    sig, kill_worker, straight_workers, tmp_path
+):
+    """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
+    included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
+    once the rank has its signal (SIGKILLed here) changes nothing."""
+    assert set(WORKER_IGNORED_SIGNALS) == set(SIGNALS)
+    run = tmp_path / "run"
+    flags = ["--max_steps", "10", "--num_workers", "1"]
+    procs = _start(run, flags, group=True)
+    seen = []
+    for line in procs[0].stdout:
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    os.killpg(procs[0].pid, getattr(signal, sig))
+    if kill_worker:
+        workers = _workers_of(procs[1].pid)
+        assert workers, "no DataLoader worker found"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+    codes, text = _finish(procs)
+    text = "".join(seen) + text
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
+    assert f"({sig})" in text and "Traceback" not in text, text[-3000:]
+    stopped = (run / "checkpoints" / "latest").read_text().strip()
+    assert 3 <= int(stopped.split("_")[1]) < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
+
+    codes, text = _finish(_start(run, [*flags, "--resume", "auto"]))
+    assert codes == [0, 0], text[-3000:]
+    assert _losses(run) == straight_workers
