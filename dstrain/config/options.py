@@ -40,7 +40,8 @@ def _check(section: Any, positive: tuple[str, ...] = (), non_negative: tuple[str
 @dataclass
 class ModelOptions:
     model: str = "tiny"
-    """Model: a preset name (tiny, small, deepseek-v2-lite, deepseek-v2, deepseek-v3) or a Hugging Face
+    """Model: a preset name (tiny, tiny-dsa, small, deepseek-v2-lite, deepseek-v2, deepseek-v3, deepseek-v3.2,
+    glm-5) or a Hugging Face
     checkpoint folder (config.json + safetensors), whose weights are loaded."""
     moe_bias_update_speed: float | None = None
     """gamma: step of the aux-loss-free expert-bias update per optimizer step (default: the model config's)."""

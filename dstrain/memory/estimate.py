@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstrain.config.ds_config import offloaded
 from dstrain.model import ModelConfig
+from dstrain.model.dsa import SCORE_ELEMENTS
 from dstrain.model.experts import CPU_GROUP_ROWS
 from dstrain.model.kernels import CPU_NATIVE_BF16
 from dstrain.model.loss import CHUNK_ELEMENTS, CHUNK_ROWS
@@ -84,6 +85,8 @@ class Workload:
     """The DeepSpeed config's zero_optimization section (DeepSpeed's defaults fill what it leaves out)."""
     device: str = "cuda"
     pp_partition: str = "parameters"
+    dsa_stage: str = "sparse"
+    """Sparse attention's stage (dense, sparse or frozen): what the indexers and the attention keep."""
 
     @classmethod
     def of(cls, plan: RunPlan) -> Workload:
@@ -100,6 +103,7 @@ class Workload:
             zero=dict(plan.ds.get("zero_optimization") or {}),
             device=plan.device_type,
             pp_partition=o.layout.pp_partition,
+            dsa_stage=o.model.dsa_stage,
         )
 
     def replace(self, **changes: Any) -> Workload:
@@ -155,7 +159,7 @@ class _Shapes:
         self.a = 4 if w.precision == "fp32" else 2  # bytes of a parameter and an activation
         self.heads = self.cfg.num_attention_heads // self.tp
         self.cpu = w.device == "cpu"
-        self._blocks: dict[bool, Layer] = {}
+        self._blocks: dict[tuple[bool, bool], Layer] = {}
 
     # parameters ------------------------------------------------------------------------------------------
     def attention_tensors(self) -> list[int]:
@@ -166,24 +170,32 @@ class _Shapes:
         bias = [rkv + c.qk_rope_head_dim, d] + ([rq] if rq else []) if c.attention_bias else []
         return q + kv + [h * c.v_head_dim * d] + bias
 
+    def indexer_tensors(self) -> list[int]:
+        """The lightning indexer (sparse attention): replicated under tensor parallelism."""
+        c = self.cfg
+        heads, dim = c.index_n_heads, c.index_head_dim
+        return [c.q_lora_rank * heads * dim, c.hidden_size * dim, dim, dim, c.hidden_size * heads]
+
     def block(self, index: int) -> Layer:
-        moe = self.cfg.is_moe_layer(index)
-        if moe not in self._blocks:  # every MoE block has the same sizes, every dense one too
-            self._blocks[moe] = self._block(moe)
+        key = (self.cfg.is_moe_layer(index), self.cfg.has_indexer(index))
+        if key not in self._blocks:  # blocks of one kind have the same sizes
+            self._blocks[key] = self._block(*key)
         return dataclasses.replace(
-            self._blocks[moe], name=f"block {index}", tensors=list(self._blocks[moe].tensors)
+            self._blocks[key], name=f"block {index}", tensors=list(self._blocks[key].tensors)
         )
 
-    def _block(self, moe: bool) -> Layer:
+    def _block(self, moe: bool, indexer: bool = False) -> Layer:
         c, d = self.cfg, self.cfg.hidden_size
         layer = Layer("block", tensors=[d, d, *self.attention_tensors()])
+        if indexer:
+            layer.tensors += self.indexer_tensors()
         if moe:
             shared = c.moe_intermediate_size * c.n_shared_experts // self.tp
             layer.tensors += [c.n_routed_experts * d] + ([d * shared] * 3 if shared else [])
             layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
         else:
             layer.tensors += [d * c.intermediate_size // self.tp] * 3
-        self.block_activations(layer, moe)
+        self.block_activations(layer, moe, indexer)
         return layer
 
     def embedding(self) -> Layer:
@@ -239,6 +251,31 @@ class _Shapes:
             core = 2 * qk + n * h * (c.qk_nope_head_dim + 2 * c.v_head_dim) * a
         return out + core + 4 * n * h + n * h * c.v_head_dim * a  # + log-sum-exp, o_proj's input
 
+    def sparse_saved(self, indexer: bool) -> int:
+        """Sparse attention: the keys chosen (the attention kernel keeps them) and, where the layer has an
+        indexer that learns, its k_norm's fp32 input and statistics and the KL's gradient with respect to the
+        indexer's q, k and weights (kept for backward, dsa.py)."""
+        c, n, a, w = self.cfg, self.n, self.a, self.w
+        if not c.sparse_attention:
+            return 0
+        out = n * min(c.index_topk, self.t) * 8 if w.dsa_stage != "dense" and self.t > c.index_topk else 0
+        if indexer and w.dsa_stage != "frozen":
+            heads, dim = c.index_n_heads, c.index_head_dim
+            out += n * dim * 4 + 8 * n + (8 * dim if a == 2 else 0)  # k_norm: fp32 input, mean, rstd
+            out += n * heads * dim * a + n * dim * a + n * heads * 4  # d q, d k, d w
+        return out
+
+    def sparse_work(self) -> int:
+        """The indexer's walk over blocks of query rows (dsa.index_pass): fp32 scores of every head, their
+        ReLU and gradient, the target's per-head probabilities, float64 distributions of the block."""
+        c = self.cfg
+        if not c.sparse_attention:
+            return 0
+        heads = max(c.index_n_heads, self.heads)
+        rows = max(1, SCORE_ELEMENTS // (self.w.micro_batch * heads * self.t))
+        block = self.w.micro_batch * min(rows, self.t) * self.t
+        return 3 * block * heads * 4 + 4 * block * 8
+
     def swiglu(self, width: int) -> int:
         """gate, silu(gate), up and their product (the down projection's input)."""
         return 4 * self.n * width * self.a
@@ -266,10 +303,10 @@ class _Shapes:
             out += self.swiglu(inter * c.n_shared_experts // self.tp)
         return out
 
-    def block_activations(self, layer: Layer, moe: bool) -> None:
+    def block_activations(self, layer: Layer, moe: bool, indexer: bool = False) -> None:
         c, n, a = self.cfg, self.n, self.a
         d = c.hidden_size
-        attn = self.attention_saved()
+        attn = self.attention_saved() + self.sparse_saved(indexer)
         ffn = self.moe_saved() if moe else self.swiglu(c.intermediate_size // self.tp)
         mlp = self.norm(d) + n * d * a + ffn  # post_attention_layernorm and its output
         kept = {"none": attn + mlp, "attention": n * d * a + mlp, "mlp": attn + n * d * a, "full": n * d * a}
@@ -289,7 +326,7 @@ class _Shapes:
             inter = c.intermediate_size // self.tp
             fwd, work = n * inter * a, 3 * n * inter * a
         heads = n * self.heads * c.qk_head_dim * a  # attention's q/k/v-sized temporaries
-        layer.forward = max(fwd, 3 * heads)
+        layer.forward = max(fwd, 3 * heads + (self.sparse_work() if indexer else 0))
         # + d output, d input and one (tokens, hidden) intermediate
         layer.backward = recomputed[mode] + 3 * n * d * a + max(work, 5 * heads)
 

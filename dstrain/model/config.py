@@ -594,28 +594,29 @@ def _deepseek_v2(**kw: Any) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# Trains on a CPU in seconds; the real DeepSeek-V3 vocabulary so the shipped tokenizer works unchanged.
+_TINY = ModelConfig(
+    vocab_size=DEEPSEEK_V3_VOCAB,
+    hidden_size=64,
+    intermediate_size=192,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+)
 PRESETS: dict[str, ModelConfig] = {
-    # Trains on a CPU in seconds; the real DeepSeek-V3 vocabulary so the shipped tokenizer works unchanged.
-    "tiny": ModelConfig(
-        vocab_size=DEEPSEEK_V3_VOCAB,
-        hidden_size=64,
-        intermediate_size=192,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=1,
-    ),
+    "tiny": _TINY,
     # ~100M parameters in all (about a third active per token).
     "small": ModelConfig(
         vocab_size=DEEPSEEK_V3_VOCAB,
@@ -653,6 +654,46 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "deepseek-v2": _deepseek_v2(),
     "deepseek-v3": _deepseek_v3(),
+    # V3 with DeepSeek Sparse Attention (deepseek-ai/DeepSeek-V3.2's config.json)
+    "deepseek-v3.2": _deepseek_v3(
+        model_type="deepseek_v32", index_topk=2048, index_n_heads=64, index_head_dim=128
+    ),
+    # zai-org/GLM-5's config.json (every layer with its own indexer)
+    "glm-5": ModelConfig(
+        model_type="glm_moe_dsa",
+        vocab_size=154880,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=78,
+        num_attention_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=3,
+        max_position_embeddings=202752,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        num_nextn_predict_layers=1,
+        index_topk=2048,
+        index_n_heads=32,
+        index_head_dim=128,
+        indexer_rope_interleave=True,
+        eos_token_id=154820,
+        pad_token_id=154820,
+    ),
+    # `tiny` with sparse attention: each query attends 16 keys (the default rows of 64 tokens are longer)
+    "tiny-dsa": dataclasses.replace(
+        _TINY, model_type="deepseek_v32", index_topk=16, index_n_heads=4, index_head_dim=16
+    ),
 }
 
 

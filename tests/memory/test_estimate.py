@@ -10,10 +10,13 @@ from dstrain.memory.estimate import ACTS, GATHERED, PARAMS, STATES, Workload, es
 from dstrain.model import ModelConfig, build_model, get_config, param_counts
 from dstrain.parallel import ParallelDims
 from tests.helpers.tiny import tiny_config
-from tests.model.test_config_files import MOONLIGHT
+from tests.model.test_config_files import GLM_5, MOONLIGHT
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32)  # fmt: skip
+
+
+DSA_SHAPE = dict(model_type="deepseek_v32", index_topk=16, index_n_heads=4, index_head_dim=16)
 
 
 def workload(cfg=None, world: int = 1, **kw) -> Workload:  # noqa: ANN001
@@ -22,9 +25,10 @@ def workload(cfg=None, world: int = 1, **kw) -> Workload:  # noqa: ANN001
     return Workload(cfg or tiny_config(**SMALL), dims, **{**base, **kw})
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "deepseek-v2-lite", "deepseek-v3", "moonlight"])
+@pytest.mark.parametrize("name", ["tiny", "small", "deepseek-v2-lite", "deepseek-v3", "moonlight", "glm-5"])
 def test_parameters_are_the_models_own_count(name):
-    cfg = get_config(name) if name != "moonlight" else ModelConfig.from_hf_dict(MOONLIGHT)
+    configs = {"moonlight": MOONLIGHT, "glm-5": GLM_5}
+    cfg = ModelConfig.from_hf_dict(configs[name]) if name in configs else get_config(name)
     layers = rank_layers(workload(cfg))[0]
     assert sum(x.params for x in layers) == param_counts(cfg)["total"]
 
@@ -84,10 +88,11 @@ def test_checkpointing_lowers_activations_and_the_peak():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["none", "full", "attention", "mlp"])
-@pytest.mark.parametrize("shape", [{}, {"q_lora_rank": None, "n_shared_experts": 2}])
+@pytest.mark.parametrize("shape", [{}, {"q_lora_rank": None, "n_shared_experts": 2}, DSA_SHAPE])
 def test_activations_are_what_autograd_saves(dtype, mode, shape):
     """Every tensor the model's forward saves for backward (unique storages, parameters apart), counted by a
-    saved-tensors hook, against the estimate's activations on this CPU: within 2%."""
+    saved-tensors hook, against the estimate's activations on this CPU: within 2% (sparse attention: the
+    sparse stage, rows longer than the top-k)."""
     cfg = tiny_config(**{**SMALL, **shape, "num_hidden_layers": 3, "vocab_size": 1024})
     b, t = 2, 64
     model = build_model(cfg, dtype=dtype, seed=0)

@@ -1,0 +1,67 @@
+"""Sparse attention's stages in a real run (`dstrain train --model tiny-dsa`, one process each): what each
+trains, and the indexers' figures in metrics.jsonl and the eval rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dstrain.checkpoint.weights import iter_weights
+from dstrain.train import main
+from tests.helpers.tiny import ROOT
+
+STAGES = {  # stage -> which weights change: the indexers', the rest
+    "dense": (True, False),
+    "sparse": (True, True),
+    "frozen": (False, True),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_each_stage_trains_what_it_says(stage, tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "--model",
+        "tiny-dsa",
+        "--dsa_stage",
+        stage,
+        "--max_steps",
+        "2",
+        "--save_every",
+        "1",
+        "--keep_last",
+        "0",
+    ]
+    args += ["--output_dir", str(out), "--num_workers", "0", "--eval_split", "0.05", "--eval_tokens", "2048"]
+    args += ["--indexer_loss_coef", "1", "--lr", "1e-2", "--no-plots"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "dstrain/train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    first, last = (dict(iter_weights(ckpts / f"step_0000000{i}")) for i in (1, 2))
+    changed = {k for k in first if not torch.equal(first[k], last[k])}
+    indexers = {k for k in first if ".indexer." in k}
+    want_indexers, want_rest = STAGES[stage]
+    assert (changed & indexers == indexers) if want_indexers else not changed & indexers
+    rest = changed - indexers
+    assert bool(rest) == want_rest, sorted(rest)[:5]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    if stage == "frozen":  # nothing learns from the KL: it is not computed in training
+        assert all("indexer_loss" not in r for r in train)
+    else:
+        assert all(r["indexer_loss"] > 0 for r in train)
+        assert all((r["indexer_recall"] is not None) == (stage == "dense") for r in train)
+    assert evals and 0 < evals[-1]["eval_indexer_recall"] <= 1 and evals[-1]["eval_indexer_loss"] > 0
+
+
+def test_stage_options_are_refused_for_a_model_without_sparse_attention(capsys):
+    assert main(["--model", "tiny", "--dsa_stage", "dense", "--max_steps", "0"]) == 2
+    assert "--dsa_stage / --indexer_loss_coef: deepseek_v3 has no sparse attention" in capsys.readouterr().err
