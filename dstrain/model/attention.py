@@ -226,6 +226,9 @@ def attend(
 
 
 CPU_BLOCK_ROWS = 64  # query rows per block: 64 ran faster than 128 or 256 at T 512 (fp32 and bf16)
+# Sparse attention: a block whose rows' chosen keys together cover more than this share of its causal keys
+# runs against all of them, masked (launch/bench_dsa.py).
+UNION_DENSE = 0.6
 
 
 def _blocks(t: int) -> list[tuple[int, int]]:
@@ -245,17 +248,21 @@ def _block_scores(
     (within the block's own diagonal square), with `doc` (B, T) other documents, with `sel` (B, T, k) the
     keys not chosen. -> (scores, the key indices scored: None for all of :e, else the block's chosen keys)."""
     if sel is not None:
-        chosen = torch.zeros(sel.shape[0], e - s, e, dtype=torch.bool, device=qf.device)
-        chosen.scatter_(
+        b = sel.shape[0]
+        allowed = torch.zeros(b, e - s, e, dtype=torch.bool, device=qf.device)
+        allowed.scatter_(
             -1, sel[:, s:e].clamp(max=e - 1), True
         )  # a later key clamped to e - 1 is masked anyway
-        allowed = chosen & torch.ones(e - s, e, dtype=torch.bool, device=qf.device).tril_(diagonal=s)
+        allowed &= torch.ones(e - s, e, dtype=torch.bool, device=qf.device).tril_(diagonal=s)
         if doc is not None:
             allowed &= doc[:, s:e, None] == doc[:, None, :e]
         keys = allowed.any(dim=0).any(dim=0).nonzero().flatten()  # the block's keys, shared by its rows
-        scores = torch.bmm(qf[:, s:e], kf[:, keys].transpose(1, 2)).mul_(scale)
-        b = sel.shape[0]
-        scores.view(b, -1, e - s, keys.numel()).masked_fill_(~allowed[:, None, :, keys], float("-inf"))
+        if keys.numel() > UNION_DENSE * e:  # scattered choices: gathering them costs more than it saves
+            keys, cols = None, slice(0, e)
+        else:
+            cols, allowed = keys, allowed[:, :, keys]
+        scores = torch.bmm(qf[:, s:e], kf[:, cols].transpose(1, 2)).mul_(scale)
+        scores.view(b, -1, e - s, scores.shape[-1]).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
         return scores, keys
     scores = torch.bmm(qf[:, s:e], kf[:, :e].transpose(1, 2)).mul_(scale)
     past = torch.ones(e - s, e - s, dtype=torch.bool, device=qf.device).tril_()

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionLayout, apply_rope, attend
+from .attention import UNION_DENSE, AttentionLayout, apply_rope, attend
 from .config import ModelConfig
 from .kernels import Linear
 
@@ -163,17 +163,25 @@ def index_pass(
         if target is None:
             continue
         support = valid & chosen if target.sparse else valid
+        # Sparse: the target over the block's chosen keys only (the attention kernel's scheme)
+        keys = support.any(dim=0).any(dim=0).nonzero().flatten() if target.sparse else None
+        if keys is not None and keys.numel() > UNION_DENSE * e:
+            keys = None
+        cols = slice(0, e) if keys is None else keys
+        sub = support[..., cols]
         # The KL of two close distributions is a small difference of large terms: float64 from here on
-        p = _target_block(target, s, e, support)
-        logq = index.double().masked_fill(~support, float("-inf")).log_softmax(dim=-1)
-        kl = torch.where(support, torch.xlogy(p, p) - p * logq.masked_fill(~support, 0.0), 0.0).sum(-1)
+        p = _target_block(target, s, e, sub, cols)
+        logq = index[..., cols].double().masked_fill(~sub, float("-inf")).log_softmax(dim=-1)
+        kl = torch.where(sub, torch.xlogy(p, p) - p * logq.masked_fill(~sub, 0.0), 0.0).sum(-1)
         stats[0] += kl.sum(dtype=torch.float64)
         stats[1] += b * c
         if chosen is not None and not target.sparse:
             stats[2] += (p * chosen).sum(dtype=torch.float64)
             stats[3] += b * c
         if grads:
-            d_index = torch.where(support, logq.exp() - p, 0.0).to(work)  # d KL / d I
+            d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)  # d KL / d I
+            if keys is not None:
+                d_index = torch.zeros(b, c, e, dtype=work, device=dev).index_copy_(-1, keys, d_index)
             dw[:, s:e] = torch.matmul(act, d_index.unsqueeze(-1)).squeeze(-1)
             d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (raw > 0) * scale
             d_raw = d_raw.view(b, c * heads, e)
@@ -183,12 +191,14 @@ def index_pass(
     return PassResult(selection, stats, out_grads)
 
 
-def _target_block(target: Target, s: int, e: int, support: torch.Tensor) -> torch.Tensor:
-    """(B, e - s, e) float64: the main attention's probabilities of query rows s:e over the support, summed
-    over every head (the group's too) and L1-normalised."""
+def _target_block(
+    target: Target, s: int, e: int, support: torch.Tensor, cols: slice | torch.Tensor
+) -> torch.Tensor:
+    """(B, e - s, keys) float64: the main attention's probabilities of query rows s:e over the support (of
+    the keys `cols`), summed over every head (the group's too) and L1-normalised."""
     work = torch.float64 if target.q.dtype == torch.float64 else torch.float32
     qm = target.q[:, s:e].to(work).transpose(1, 2)  # (B, H, c, d)
-    km = target.k[:, :e].to(work).transpose(1, 2)  # (B, H, e, d)
+    km = target.k[:, cols].to(work).transpose(1, 2)  # (B, H, keys, d)
     scores = torch.matmul(qm, km.transpose(-1, -2)).mul_(target.scale)
     p = (
         scores.masked_fill_(~support.unsqueeze(1), float("-inf"))

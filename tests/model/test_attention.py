@@ -127,3 +127,26 @@ def test_compiled_graph_does_not_grow_with_the_sequence():
         assert targets.count(torch.ops.dstrain.cpu_attention.default) == 1
         sizes.append(len(gm.graph.nodes))
     assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("union", ["gathered", "whole"])
+def test_sparse_attention_matches_float64_sdpa_with_the_chosen_keys(union, monkeypatch):
+    """Each query attends only to its chosen keys (and, packed, its own document): a block of rows runs
+    against the union of its rows' choices gathered, or (scattered choices) against all its keys masked."""
+    import dstrain.model.attention as attention
+    from dstrain.model.dsa import top_keys
+
+    monkeypatch.setattr(attention, "UNION_DENSE", 1.0 if union == "gathered" else 0.0)
+    b, t, k = 2, 3 * CPU_BLOCK_ROWS + 7, 24
+    q, kk, v, dout = _inputs(b, t, 3, 12, 8, torch.float32)
+    pos, docs = _packed(b, t)
+    g = torch.Generator().manual_seed(5)
+    near = -(torch.arange(t)[:, None] - torch.arange(t)[None, :]).abs().float()  # mostly recent keys
+    sel = top_keys((near + 3 * torch.rand(b, t, t, generator=g)).masked_fill(~docs[:, 0], float("-inf")), k)
+    chosen = torch.zeros(b, t, t, dtype=torch.bool).scatter_(-1, sel, True)
+    layout = attention_layout(pos, b, t, torch.device("cpu"), torch.float32)
+    out = attend(q, kk, v, 0.3, layout, sel)
+    out.backward(dout)
+    want = _reference(q, kk, v, dout, 0.3, docs & chosen.unsqueeze(1))
+    for name, a, w in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, kk.grad, v.grad), want):
+        assert _rel(a, w) <= 1e-5, name

@@ -247,3 +247,26 @@ def test_fp8_indexer_weights_are_dequantized(tmp_path):
     indexer = from_pretrained(tmp_path, dtype=torch.float32).layers[1].self_attn.indexer
     for name, w in want.items():
         assert torch.equal(getattr(indexer, name).weight, w), name
+
+
+def test_sparse_kl_over_the_blocks_chosen_keys_equals_the_kl_over_all_keys(monkeypatch):
+    """index_pass computes the sparse stage's target only on the keys a block of rows chose (gathered):
+    the same KL and gradient as over every key, masked."""
+    g = torch.Generator().manual_seed(1)
+    b, t, heads, dim = 2, 48, 2, 8
+    q, k, w = (
+        torch.randn(*s, generator=g, dtype=torch.float64)
+        for s in ((b, t, heads, dim), (b, t, dim), (b, t, heads))
+    )
+    qm, km = (torch.randn(b, t, 2, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    monkeypatch.setattr(dsa_module, "SCORE_ELEMENTS", b * heads * t * 8)  # blocks of 8 query rows
+    results = []
+    for share in (1.0, 0.0):  # gather the block's chosen keys always / never
+        monkeypatch.setattr(dsa_module, "UNION_DENSE", share)
+        results.append(index_pass(q, k, w, 6, None, Target(qm, km, 0.4, sparse=True), grads=True))
+    (a, b_), (ga, gb) = (r.stats for r in results), (r.grads for r in results)
+    assert torch.allclose(a, b_, rtol=1e-12, atol=0) and torch.equal(
+        results[0].selection, results[1].selection
+    )
+    for x, y in zip(ga, gb):
+        assert torch.allclose(x, y, rtol=1e-10, atol=1e-14)
