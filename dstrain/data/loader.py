@@ -8,7 +8,7 @@ has *consumed* plus the rows consumed since, so rows prefetched but not yet hand
 lost or repeated. On resume a stream restores its snapshot and replays those rows.
 
 Workers and stop signals: scancel, a time limit and SLURM's --signal signal every process of the job step,
-workers included. Workers ignore SIGTERM and SIGUSR1: their rank decides (training/preempt.py: stop after the
+workers included. Workers ignore SIGTERM and SIGUSR1 but their rank's: the rank decides (training/preempt.py: stop after the
 step with a checkpoint). Once the rank has such a signal (`watch_stop`), a worker that dies anyway (SIGKILLed,
 or signalled before it could ignore it) is not an error: the rank reads the rows it still needs itself, from
 the same position, and the checkpoint saves it exactly.
@@ -16,12 +16,10 @@ the same position, and the checkpoint saves it exactly.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import signal
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -50,8 +48,6 @@ def _not_stopping() -> bool:
 
 
 _stopping: Callable[[], bool] = _not_stopping
-_with_workers: weakref.WeakSet = weakref.WeakSet()  # DataLoader iterators whose workers ignore SIGTERM
-_exit_hook_set = False
 
 
 def watch_stop(stopping: Callable[[], bool] | None) -> None:
@@ -62,27 +58,39 @@ def watch_stop(stopping: Callable[[], bool] | None) -> None:
 
 
 def ignoring_stop_signals(init: Callable[[int], None] | None = None) -> Callable[[int], None]:
-    """A DataLoader `worker_init_fn`: WORKER_IGNORED_SIGNALS ignored, then `init` (a picklable partial, so
-    workers may also be spawned)."""
+    """A DataLoader `worker_init_fn`: WORKER_IGNORED_SIGNALS from anyone but the worker's parent ignored, then
+    `init` (a picklable partial, so workers may also be spawned)."""
     return functools.partial(_init_worker, init)
 
 
 def _init_worker(init: Callable[[int], None] | None, worker_id: int) -> None:
-    for name in WORKER_IGNORED_SIGNALS:
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            signal.signal(sig, signal.SIG_IGN)
+    _leave_stop_signals_to_parent()
     if init is not None:
         init(worker_id)
 
 
-def _shut_down_workers() -> None:
-    # At exit, before torch's exit hook (registered earlier, run later) stops its own shutdown: an iterator
-    # still referenced then (by an exception's traceback) would be left to multiprocessing, which SIGTERMs
-    # daemonic workers and joins them, forever for workers that ignore SIGTERM. torch does the same for
-    # persistent workers.
-    for it in list(_with_workers):
-        it._shutdown_workers()
+def _leave_stop_signals_to_parent() -> None:
+    # Not SIG_IGN: the parent's own SIGTERM must still end a worker (torch's last resort for a worker that does
+    # not stop when told, multiprocessing's for daemonic children at exit; without it, an iterator that the
+    # garbage collector finalizes after its queues leaves workers behind, and the exit waits for them forever).
+    # torch's worker handler exits on the parent's SIGTERM and dies of anyone else's; this thread does the
+    # same, but ignores anyone else's.
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: torch's handlers stay
+        return
+    sigs = {getattr(signal, name) for name in WORKER_IGNORED_SIGNALS}
+    # Blocked in this thread, so in every thread the worker starts from here (a fresh worker runs no other):
+    # they wait for the one thread that takes them, and sees who sent them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    threading.Thread(
+        target=_take_stop_signals, args=(os.getppid(), sigs), name="dstrain-stop-signals", daemon=True
+    ).start()
+
+
+def _take_stop_signals(parent: int, sigs: set[signal.Signals]) -> None:
+    while True:
+        info = signal.sigwaitinfo(sigs)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)
 
 
 def _report_dead_workers_late() -> None:
@@ -249,7 +257,6 @@ class Loader:
 
     def _row_from_workers(self, s: int) -> dict | None:
         """Stream `s`'s next row from the workers; None when one died while this process is stopping."""
-        global _exit_hook_set
         if self._it is None:
             loader = torch.utils.data.DataLoader(
                 _Workers(self),
@@ -259,10 +266,6 @@ class Loader:
                 worker_init_fn=ignoring_stop_signals(),
             )
             self._it = iter(loader)
-            _with_workers.add(self._it)
-            if not _exit_hook_set:
-                atexit.register(_shut_down_workers)
-                _exit_hook_set = True
             _report_dead_workers_late()
         try:
             item = next(self._it)

@@ -690,9 +690,10 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=154820,
         pad_token_id=154820,
     ),
-    # `tiny` with sparse attention: each query attends 16 keys (the default rows of 64 tokens are longer)
+    # `tiny` with sparse attention: each query attends 16 keys (the default rows of 64 tokens are longer); 16
+    # indexer heads, so that index scores rarely tie exactly (where top-k's choice is arbitrary in transformers)
     "tiny-dsa": dataclasses.replace(
-        _TINY, model_type="deepseek_v32", index_topk=16, index_n_heads=4, index_head_dim=16
+        _TINY, model_type="deepseek_v32", index_topk=16, index_n_heads=16, index_head_dim=16
     ),
 }
 

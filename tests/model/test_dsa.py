@@ -270,3 +270,31 @@ def test_sparse_kl_over_the_blocks_chosen_keys_equals_the_kl_over_all_keys(monke
     )
     for x, y in zip(ga, gb):
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-14)
+
+
+def test_lora_on_the_indexer_learns_from_its_kl_and_merges_exactly():
+    """`--lora_targets indexer` adapts the indexers' linears (wq_b, wk, weights_proj): with their base weights
+    frozen, the adapters learn from the KL alone; merged, the indexer scores what the adapted one did."""
+    from dstrain.model.lora import apply_lora, merge_lora
+
+    cfg = tiny_config(model_type="deepseek_v32", index_topk=5, index_n_heads=4, index_head_dim=16)
+    model = DeepSeekLM(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    names = apply_lora(model, 4, 8.0, ["indexer"], seed=0)
+    assert names and all(".indexer." in n for n in names)
+    assert {n.rsplit(".", 1)[1] for n in names} == {"wq_b", "wk", "weights_proj"}
+    for n, p in model.named_parameters():
+        p.requires_grad = "lora_" in n
+        if "lora_B" in n:
+            p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    model.train().set_sparse_attention("sparse")
+    ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids).loss.backward()
+    assert all(
+        p.grad is not None and p.grad.abs().max() > 0 for n, p in model.named_parameters() if "lora_" in n
+    )
+    model.eval()
+    with torch.no_grad():
+        before = model(ids).logits
+        merge_lora(model)
+        assert (model(ids).logits - before).abs().max() <= 1e-5

@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.ranks import launch
 from tests.helpers.tiny import tiny_config, tiny_dsa_config
 from tests.helpers.trainer import make_options, reference_run
-from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, RESHARD, STEPS, common
+from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, RESHARD, RESHARD_DSA, STEPS, common
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
@@ -236,3 +236,20 @@ def test_real_data_rows_do_not_depend_on_rank_count(resharded):
     print(f"1 rank GA4 vs 2 ranks GA2 {dev_start:.1e}; 2 -> 1 rank resume {dev_resume:.1e}")
     assert len(one) == 6 and [h["step"] for h in cont] == [4, 5, 6]
     assert dev_start <= 1e-5 and dev_resume <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def dsa_resharded(dsa_two_rank, tmp_path_factory):
+    tmp, res = tmp_path_factory.mktemp("dsa_reshard"), {}
+    for nproc, pairs in RESHARD_DSA.items():
+        res.update(_launch(tmp, nproc, [f"{t}@{s}" for t, s in pairs], src=dsa_two_rank[0]))
+    return res
+
+
+@pytest.mark.parametrize("run", [f"{t}@{s}" for pairs in RESHARD_DSA.values() for t, s in pairs])
+def test_sparse_attention_resumes_on_another_layout(dsa_two_rank, dsa_resharded, dsa_reference, run):
+    """The indexers' weights and moments re-shard like the rest: the resumed steps equal the uninterrupted."""
+    got, want = dsa_resharded[run], dsa_reference[False][0][3:]
+    assert [h["step"] for h in got] == list(range(4, STEPS + 1))
+    dev = max(_rel(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in ("loss", "grad_norm"))
+    assert dev <= 1e-5, (run, dev)

@@ -73,6 +73,8 @@ RESHARD = {
     + [("tp2_lora", "ep2_lora")],
     4: [("dp4_z1", "dp2_z1"), ("dp4_z2", "dp2_z2"), ("dp4_z3", "dp2_z3")],
 }
+# Sparse attention: ranks -> (target, source) as RESHARD
+RESHARD_DSA = {1: [("dsa_dp1", "dsa_tp2")], 2: [("dsa_ep2", "dsa_pp2")]}
 # Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
 # from the start, and 1 rank continuing the 2-rank run's step-3 checkpoint.
 DATA = {1: ["data_dp1", "data_dp1@data_dp2"], 2: ["data_dp2"]}
@@ -202,7 +204,9 @@ def reshard_main(out: str, src: str, runs: list[str]) -> None:
             )
         else:
             resume = f"{src}/{source}/straight/checkpoints/step_00000003"
-            tr = trainer(LAYOUTS[target].format(out=out), f"{out}/{run}", info, resume=resume)
+            tr = trainer(
+                LAYOUTS[target].format(out=out), f"{out}/{run}", info, resume=resume, cfg=model_for(target)
+            )
         tr.run()
         if info.rank == 0:
             hist = [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.history]

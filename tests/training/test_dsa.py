@@ -60,6 +60,11 @@ def test_each_stage_trains_what_it_says(stage, tmp_path):
         assert all(r["indexer_loss"] > 0 for r in train)
         assert all((r["indexer_recall"] is not None) == (stage == "dense") for r in train)
     assert evals and 0 < evals[-1]["eval_indexer_recall"] <= 1 and evals[-1]["eval_indexer_loss"] > 0
+    if stage == "sparse":  # the export is a deepseek_v32 folder that transformers runs to the same logits
+        from dstrain.cli import main as dstrain_main
+
+        assert dstrain_main(["export", str(out), "--out", str(tmp_path / "hf"), "--verify"]) == 0
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "deepseek_v32"
 
 
 def test_stage_options_are_refused_for_a_model_without_sparse_attention(capsys):

@@ -1,0 +1,189 @@
+"""DeepSeek Sparse Attention on this CPU: tokens/s and step memory of a V3-shaped model with dense MLA, the same
+model with sparse attention in the dense warm-up stage, and in the sparse stage, at several row lengths.
+
+  python launch/bench_dsa.py                                  # T 2048, 8192, 16384; top-k 1024
+  python launch/bench_dsa.py --lengths 8192 --rounds 2 --indexer random
+
+A step is forward + backward of one row (no optimizer), the LM loss and, with sparse attention, the indexer's
+KL (its gradient injected, as in training). Two figures per length and configuration (JSON lines):
+  attention  one attention layer's forward + backward (MLA, with the indexer, its KL and the selection)
+  model      the whole model's step: tokens/s, and the peak bytes of tensors created during it
+Timing: the three configurations interleaved A B C C B A in one process, >= 2 rounds; quoted: the median time
+and the min / median of the per-round ratios to dense MLA.
+
+The indexer's weights decide which keys a block of 64 query rows chooses together, and with it the CPU
+kernel's cost (attention.py: a block runs against the union of its rows' keys): `--indexer random` is the
+model's own initialisation (every query its own keys: the union is nearly every key); `--indexer local` sets a
+locality prior (rotary dims of the indexer's q and k equal, so that scores fall with distance): neighbouring
+queries choose mostly the same recent keys, the pattern of a coherent selection. Both are printed by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dstrain.hostalloc import keep_freed_memory  # noqa: E402
+from dstrain.memory.measure import AllocationTracker  # noqa: E402
+from dstrain.model import DeepSeekLM, ModelConfig  # noqa: E402
+from dstrain.model.attention import attention_layout  # noqa: E402
+from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
+
+STAGES = ("dense MLA", "DSA dense stage", "DSA sparse stage")
+
+
+def config(topk: int, sparse: bool) -> ModelConfig:
+    """A V3-shaped model small enough for 16K-token rows on a CPU: 2 blocks (dense, MoE), 8 heads."""
+    return ModelConfig(
+        model_type="deepseek_v32" if sparse else "deepseek_v3",
+        vocab_size=32768,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=32768,
+        index_topk=topk if sparse else None,
+        index_n_heads=8 if sparse else 64,
+        index_head_dim=64 if sparse else 128,
+    )
+
+
+@torch.no_grad()
+def locality_prior(model: DeepSeekLM) -> None:
+    """Indexer q and k equal to one constant vector in their rotary dims (and 0 elsewhere): after RoPE their
+    product is a sum of cos((t - u) * frequency), largest for the nearest keys; every head weight positive."""
+    for block in model.blocks():
+        ix = block.self_attn.indexer
+        if ix is None:
+            continue
+        r = model.config.qk_rope_head_dim
+        ix.wq_b.weight.zero_().view(ix.n_heads, ix.head_dim, -1)[:, :r].fill_(0.05)
+        ix.wk.weight.zero_()[:r].fill_(0.05)
+        ix.k_norm.weight.fill_(1.0)
+        ix.k_norm.bias.zero_()[:r].fill_(1.0)
+        ix.weights_proj.weight.zero_()
+
+
+def models(topk: int, indexer: str) -> dict[str, DeepSeekLM]:
+    dense = DeepSeekLM(config(topk, sparse=False))
+    dense.init_weights(torch.Generator().manual_seed(0))
+    out = {"dense MLA": dense.train()}
+    for stage in ("dense", "sparse"):
+        m = DeepSeekLM(config(topk, sparse=True))
+        m.init_weights(torch.Generator().manual_seed(0))
+        if indexer == "local":
+            locality_prior(m)
+        m.load_state_dict(dense.state_dict(), strict=False)  # the same model, plus the indexers
+        m.train().set_sparse_attention(stage)
+        out[f"DSA {stage} stage"] = m
+    return out
+
+
+def timed(fn: Callable[[], None]) -> Callable[[], float]:
+    def run() -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return run
+
+
+def model_step(model: DeepSeekLM, ids: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    return step
+
+
+def attention_step(model: DeepSeekLM, t: int) -> Callable[[], None]:
+    block = model.layers[1]
+    x = torch.randn(1, t, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(t).unsqueeze(0)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        layout = attention_layout(pos, 1, t, x.device, x.dtype)
+        out = block.self_attn(x, model._rope(pos), layout)
+        out.sum().backward()
+
+    return step
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, dict]:
+    """A B C C B A rounds after one warm-up each: median seconds, and per-round ratios to the first."""
+    names = list(runs)
+    for n in names:
+        runs[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        got = {n: 0.0 for n in names}
+        for n in [*names, *reversed(names)]:
+            got[n] += runs[n]()
+        for n in names:
+            times[n].append(got[n] / 2)
+            ratios[n].append(got[n] / got[names[0]])
+    return {
+        n: {
+            "median_s": statistics.median(times[n]),
+            "to_dense_min": min(ratios[n]),
+            "to_dense_median": statistics.median(ratios[n]),
+        }  # fmt: skip
+        for n in names
+    }
+
+
+def peak_bytes(step: Callable[[], None]) -> int:
+    step()
+    with AllocationTracker() as tracker:
+        step()
+    return tracker.peak_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="2048,8192,16384")
+    p.add_argument("--topk", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--indexer", choices=("random", "local", "both"), default="both")
+    args = p.parse_args()
+    keep_freed_memory()
+    torch.set_num_threads(torch.get_num_threads())
+    path = {"threads": torch.get_num_threads(), "cpu_native_bf16": CPU_NATIVE_BF16, "dtype": "fp32"}
+    for indexer in ("random", "local") if args.indexer == "both" else (args.indexer,):
+        for t in (int(x) for x in args.lengths.split(",")):
+            ms = models(args.topk, indexer)
+            ids = torch.randint(0, 32768, (1, t), generator=torch.Generator().manual_seed(2))
+            attn = interleaved({n: timed(attention_step(m, t)) for n, m in ms.items()}, args.rounds)
+            step = interleaved({n: timed(model_step(m, ids)) for n, m in ms.items()}, args.rounds)
+            for name, m in ms.items():
+                row = {"indexer": indexer, "seq_len": t, "topk": args.topk, "config": name,
+                       "attention_layer": attn[name], "model_step": step[name],
+                       "tokens_per_s": t / step[name]["median_s"],
+                       "step_peak_mib": peak_bytes(model_step(m, ids)) / 2**20, **path}  # fmt: skip
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
