@@ -7,7 +7,7 @@ Each layout builds a fresh Trainer (hidden 256, 4 layers of which 3 MoE with 16 
 MTP 1, vocabulary 8192; fp32; micro batch 2 x 256 tokens) and trains 3 steps under
 `dstrain.memory.measure.AllocationTracker`: the peak of live tensor bytes allocated by torch on the rank,
 from before the model is built through the third step (the CPU analogue of torch.cuda.max_memory_allocated,
-which is what the estimate predicts; see memtrack.py). Step 1 creates AdamW's moments and step 2 runs with
+which is what the estimate predicts; see dstrain/memory/measure.py). Step 1 creates AdamW's moments and step 2 runs with
 ZeRO-3's complete parameter trace, so the peak counted is max(setup, step 3) (see `steady_peak`). The DeepSpeed configs are the
 shipped ones with 4M-element buckets (the shipped 2e8 would be 763 MiB in fp32 and hide everything else; the
 estimate predicts buckets of any size the same way).

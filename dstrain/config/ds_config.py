@@ -1,7 +1,7 @@
 """DeepSpeed config: load, fill the "auto" fields dstrain owns from its options, validate, before anything
 is allocated. dstrain's options are the one source of truth for batch sizes, clipping, precision and the
 optimizer/scheduler settings: the file's explicit values have become options already where the user set no
-flag (ds_user.adopt), so an explicit value that still differs contradicts a flag and is an error naming both.
+flag (ds_file.adopt), so an explicit value that still differs contradicts a flag and is an error naming both.
 `plan.prepare` calls this once per run; nothing downstream reads the raw JSON."""
 
 from __future__ import annotations

@@ -285,7 +285,7 @@ class RunOptions:
     collective_timeout: float = 600.0
     """Seconds any collective (all-reduce, barrier, broadcast...) may wait for the other ranks: when a rank dies
     or hangs, the others give up within about this plus 5 s and exit instead of waiting until the allocation
-    ends: with code 76 and a line naming it (on GPUs, torch's NCCL watchdog may abort them first, see README).
+    ends: with code 76 and a line naming it (on GPUs, torch's NCCL watchdog may abort them first, see docs/training.md).
     It must exceed the longest wait of a healthy run (a save or model load other ranks wait for)."""
     local_rank: int = field(default=-1, metadata={"hidden": True})
     """Set by the `deepspeed` launcher; dstrain reads LOCAL_RANK from the environment instead."""

@@ -1,7 +1,7 @@
 """Predicted peak memory per rank of a training run, from its resolved plan alone (nothing is allocated).
 
 What is predicted is the peak of live tensor bytes on one rank's device — `torch.cuda.max_memory_allocated`
-on a GPU, `memtrack.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
+on a GPU, `measure.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
 context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from what the code holds:
 
 - Parameters: the rank's pipeline stage (DeepSpeed's own partitioning of [embedding, blocks..., head +

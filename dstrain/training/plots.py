@@ -178,6 +178,46 @@ def _throughput(train: list[dict], title: str) -> Figure:
     return fig
 
 
+def _indexer(train: list[dict], evals: list[dict], title: str) -> Figure | None:
+    """Sparse attention: the indexers' KL (train, eval) and their recall, the main attention's mass inside
+    the chosen keys (dense-stage training rows, eval rows); None for a model without indexers."""
+    if not any(
+        _finite(r.get(k)) is not None for r in train + evals for k in ("indexer_loss", "eval_indexer_loss")
+    ):
+        return None
+    fig, ax = _figure(title)
+    for rows, key, label, style in (
+        (train, "indexer_loss", "train KL", "-"),
+        (evals, "eval_indexer_loss", "eval KL (dense)", "o-"),
+    ):
+        xs, ys = _xy(rows, "step", key)
+        if ys:
+            _line(ax, xs, ys, ls=style[-1], marker="o" if style == "o-" else None, color="C0", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(target || indexer)")
+    right = ax.twinx()
+    for rows, key, label in (
+        (train, "indexer_recall", "train recall"),
+        (evals, "eval_indexer_recall", "eval recall"),
+    ):
+        xs, ys = _xy(rows, "step", key)
+        if ys:
+            _line(
+                right,
+                xs,
+                ys,
+                color="C3",
+                ls="--" if rows is train else "-",
+                marker="o" if rows is evals else None,
+                label=label,
+            )
+    right.set_ylabel("recall (attention mass chosen)")
+    right.set_ylim(0, 1.02)
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines])
+    return fig
+
+
 def _expert_load(rows: list[dict], title: str) -> Figure | None:
     rows = [r for r in _latest(rows) if isinstance(r.get("layers"), dict)]
     has = {k for r in rows for k, v in r["layers"].items() if isinstance(v, list) and v}
@@ -232,6 +272,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         "lr": _lr(train, f"Learning rate · {name}"),
         "grad_norm": _grad_norm(train, f"Gradient norm · {name}"),
         "throughput": _throughput(train, f"Training speed · {name}"),
+        "indexer": _indexer(train, evals, f"Sparse attention indexers · {name}"),
     }
     load = run_dir / EXPERT_LOAD_FILE
     if load.is_file():
