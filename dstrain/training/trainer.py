@@ -83,6 +83,7 @@ class Trainer:
         self.eval_history: list[dict[str, Any]] = []
         self.step_load: torch.Tensor | None = None  # the last step's global expert loads (MoE layers, E)
         self.ga = plan.opts.layout.gradient_accumulation_steps
+        self._stage0_norm = 0.0
         _, _, self.tp_rank = self.dims.coords(info.rank)
         self.data_rank, self.sp_rank = self.dims.data_coords(info.rank)  # sequence-parallel ranks share data
         self.groups: Any = None
@@ -138,6 +139,8 @@ class Trainer:
             from dstrain.parallel.gradnorm import install_global_grad_norm
 
             install_global_grad_norm(self.engine, self.groups)
+        if self.plan.stage == 0 and self.plan.precision == "fp32":
+            self._clip_with_the_exact_norm()
         self.model = model
         store.install_safe_loading(self.engine)
         if self.resume_path is not None:
@@ -352,10 +355,24 @@ class Trainer:
         return False, None
 
     def _local_full_grad_norm(self) -> float:
-        # ZeRO stage 0 keeps whole, already averaged gradients on every rank; DeepSpeed reports no norm there.
+        """ZeRO stage 0 keeps whole, already averaged gradients on every rank; DeepSpeed reports no norm
+        there. In float64: fp32 norms of tensors of a million elements are 1e-5 off."""
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
-        return float(torch.stack([n.double() for n in norms]).norm()) if norms else 0.0
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else []
+        self._stage0_norm = float(torch.stack(list(norms)).norm()) if norms else 0.0
+        return self._stage0_norm
+
+    def _clip_with_the_exact_norm(self) -> None:
+        """ZeRO stage 0 in fp32: DeepSpeed clips with a norm of fp32 per-parameter norms; clip with the
+        float64 norm the step reports instead (the trainer computes it before engine.step)."""
+        max_norm = float(self.engine.gradient_clipping())
+
+        def clip() -> None:
+            coef = max_norm / (self._stage0_norm + 1e-6)  # DeepSpeed's (and torch's) rule
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+
+        self.engine.clip_fp32_gradients = clip
 
     def _imbalance(self, load: torch.Tensor | None) -> dict[str, float]:
         if load is None:

@@ -156,9 +156,11 @@ def reference_run(
         out = model(**batch)
         loss = micro_loss(out, n, 1.0, w)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf")
-        )
+        # The global norm in float64, and clipping by it with torch's (and DeepSpeed's) rule
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm()
+        if o.clip_grad > 0 and o.clip_grad / (float(norm) + 1e-6) < 1:
+            torch._foreach_mul_(grads, o.clip_grad / (float(norm) + 1e-6))
         opt.step()
         opt.zero_grad()
         sched.step()

@@ -20,7 +20,7 @@ from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, RESHARD, RESHARD
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
-TWO = ["dp2_z1", "dp2_z2", "dp2_z3", "pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
+TWO = ["dp2_z0", "dp2_z1", "dp2_z2", "dp2_z3", "pp2", "tp2", "tp2_z2", "ep2_z1", "ep2_z2"]
 TWO += ["sp2_z1", "sp2_z2", "sp2_z3", "sp2_ep2"]  # sequence parallel: each rank half of every row
 FOUR = ["dp4_z1", "pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
 TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' split over the EP ranks

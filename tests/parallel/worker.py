@@ -35,6 +35,7 @@ LAYOUTS = {  # name -> flags
     "dp2_z1": "--config zero1",
     "dp2_z2": "--config zero2",
     "dp2_z3": "--config zero3",
+    "dp2_z0": "--config {out}/zero0.json",  # no ZeRO: dstrain's float64 norm, and clipping with it
     "pp2dp2": "--config zero1 --pp 2",
     "tp2dp2": "--config zero2 --tp 2",
     "ep2dp2": "--config zero2 --ep 2",
@@ -142,10 +143,12 @@ def main(out: str, layouts: list[str]) -> None:
     from dstrain import dist
 
     info = dist.init_distributed()
+    Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
     for name in layouts:
         base = f"{out}/{name}"
+        flags = LAYOUTS[name].format(out=out)
         t0 = time.perf_counter()
-        tr = trainer(LAYOUTS[name], f"{base}/straight", info, evaluate=True, cfg=model_for(name))
+        tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
         tr.run()
         wall = time.perf_counter() - t0
         hist = [
@@ -154,7 +157,7 @@ def main(out: str, layouts: list[str]) -> None:
         ]
         evals = tr.eval_history
         tr = trainer(
-            LAYOUTS[name],
+            flags,
             f"{base}/resumed",
             info,
             resume=f"{base}/straight/checkpoints/step_00000003",
