@@ -35,18 +35,18 @@ def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int, halo: int = 0)
 
 
 @dataclass(frozen=True)
-class Weights:
+class LossWeights:
     alpha: float
     """aux (sequence-balance) loss weight"""
     lam: float
     """MTP loss weight"""
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> Weights:
+    def of(cls, cfg: ModelConfig) -> LossWeights:
         return cls(alpha=float(cfg.aux_loss_alpha), lam=float(cfg.mtp_loss_weight))
 
 
-def micro_loss(out: ModelOutput, n_global: torch.Tensor, scale: float, w: Weights) -> torch.Tensor:
+def micro_loss(out: ModelOutput, n_global: torch.Tensor, scale: float, w: LossWeights) -> torch.Tensor:
     """Loss to hand engine.backward for one micro batch. `n_global`: (1 + D,) global target counts of the
     step; `scale` = GA * dp, undoing DeepSpeed's 1/GA and rank averaging for the token-mean terms."""
     n = n_global.to(torch.float32).clamp(min=1)

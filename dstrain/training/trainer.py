@@ -28,7 +28,7 @@ from . import objective, watchdog
 from .build import build_for_training
 from .evaluate import Evaluator, local_batches
 from .metrics import Display, MetricsSink, Profiler, RunLog, device_peak_tflops, finite_or_none
-from .objective import StepStats, Weights, count_targets
+from .objective import LossWeights, StepStats, count_targets
 from .preempt import Preemption
 from .schedule import make_scheduler_factory
 
@@ -90,7 +90,7 @@ class Trainer:
         self.load_stats: dict[str, Any] = {}
         self.pipe = self.dims.pp > 1
         self.mtp_depth = int(self.cfg.num_nextn_predict_layers)
-        self.weights = Weights.of(self.cfg)
+        self.weights = LossWeights.of(self.cfg)
         # micro_loss's `scale`: undoes DeepSpeed's 1/GA and its average over data-parallel ranks
         self.scale = float(self.ga * self.dims.dp)
 

@@ -128,7 +128,7 @@ def reference_run(
     """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective.
     `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
     from dstrain.model import build_model
-    from dstrain.training.objective import Weights, count_targets, micro_loss
+    from dstrain.training.objective import LossWeights, count_targets, micro_loss
     from dstrain.training.schedule import make_scheduler_factory
     from dstrain.training.trainer import param_groups
 
@@ -144,7 +144,7 @@ def reference_run(
         fused=True,
     )
     sched = make_scheduler_factory(s)(opt)
-    w = Weights.of(cfg)
+    w = LossWeights.of(cfg)
     if cfg.sparse_attention:  # one forward per step: the indexers' KL is a mean over its queries
         stage = opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse"
         model.set_sparse_attention(stage)

@@ -11,7 +11,7 @@ import torch
 from dstrain.config.options import ScheduleOptions
 from dstrain.model import build_model
 from dstrain.training.metrics import _truncate_after
-from dstrain.training.objective import Weights, count_targets, micro_loss
+from dstrain.training.objective import LossWeights, count_targets, micro_loss
 from dstrain.training.schedule import lr_at
 from tests.helpers.tiny import tiny_config
 from tests.helpers.trainer import GlobalRows, global_row, stack
@@ -21,7 +21,7 @@ def _grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _split_grad(model, rows, micro: int, dp: int, w: Weights) -> tuple[torch.Tensor, float]:
+def _split_grad(model, rows, micro: int, dp: int, w: LossWeights) -> tuple[torch.Tensor, float]:
     """Emulate DeepSpeed: per rank, GA micro batches each backward(loss/GA); then average over ranks."""
     model.zero_grad()
     n_rows = len(rows)
@@ -50,7 +50,7 @@ def test_global_mean_whatever_the_split():
     rows = [global_row(i) for i in range(8)]
     counts = [int(count_targets(stack(rows[i : i + 2]), 1)[0]) for i in range(0, 8, 2)]
     assert len(set(counts)) > 1, counts
-    w = Weights(alpha=cfg.aux_loss_alpha, lam=cfg.mtp_loss_weight)
+    w = LossWeights(alpha=cfg.aux_loss_alpha, lam=cfg.mtp_loss_weight)
     g_ref, l_ref = _split_grad(model, rows, micro=8, dp=1, w=w)
     for micro, dp in ((2, 1), (4, 1), (2, 2), (1, 2)):
         g, loss = _split_grad(model, rows, micro=micro, dp=dp, w=w)
@@ -66,7 +66,7 @@ def test_counts_and_local_loss_match_the_model():
     n = count_targets(batch, 2)
     assert n.tolist() == [int(out.lm_tokens), *[int(c) for c in out.mtp_tokens]]
     # one micro batch, one rank: the global mean is the model's own local mean
-    loss = micro_loss(out, n.float(), 1.0, Weights(alpha=cfg.aux_loss_alpha, lam=cfg.mtp_loss_weight))
+    loss = micro_loss(out, n.float(), 1.0, LossWeights(alpha=cfg.aux_loss_alpha, lam=cfg.mtp_loss_weight))
     assert torch.allclose(loss, out.loss, rtol=1e-6)
 
 
