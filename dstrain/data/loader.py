@@ -8,10 +8,10 @@ has *consumed* plus the rows consumed since, so rows prefetched but not yet hand
 lost or repeated. On resume a stream restores its snapshot and replays those rows.
 
 Workers and stop signals: scancel, a time limit and SLURM's --signal signal every process of the job step,
-workers included. Workers ignore SIGTERM and SIGUSR1 but their rank's: the rank decides (training/preempt.py: stop after the
-step with a checkpoint). Once the rank has such a signal (`watch_stop`), a worker that dies anyway (SIGKILLed,
-or signalled before it could ignore it) is not an error: the rank reads the rows it still needs itself, from
-the same position, and the checkpoint saves it exactly.
+workers included. Workers ignore SIGTERM and SIGUSR1 (but for their rank's own SIGTERM): the rank decides
+(training/preempt.py: stop after the step with a checkpoint). Once the rank has such a signal (`watch_stop`),
+a worker that dies anyway (SIGKILLed, or signalled before it could ignore it) is not an error: the rank reads
+the rows it still needs itself, from the same position, and the checkpoint saves it exactly.
 """
 
 from __future__ import annotations

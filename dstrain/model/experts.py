@@ -23,10 +23,13 @@ too: a multiple of 4 (fp32) or 8 (bf16) keeps them on grouped_mm, others take th
 
 grouped_mm's rules (torch 2.13): both operands of one dtype (no autocast; bf16 kernels on CPUs without native
 bf16 run in fp32, like `kernels.linear`), int32 offsets, and row strides that are multiples of 16 bytes, so
-hidden and moe_intermediate sizes must be multiples of 16 / element size. Its fast CUDA kernels take bf16
-only (other dtypes run torch's own per-group loop, which copies the offsets to the host). Where the rules do
-not hold (fp64, misaligned sizes) `_grouped_mm` runs an exact per-group loop instead, which syncs once to
-read the offsets. Under torch.compile, grouped_mm's meta function admits bf16 only: other dtypes go through
+hidden and moe_intermediate sizes must be multiples of 16 / element size. Its fast CUDA kernels take bf16 on
+sm90 and sm100 only (other dtypes and GPUs run torch's own per-group loop, which copies the offsets to the
+host in every call: six times per MoE layer and micro batch). Where the rules do not hold (fp64, misaligned
+sizes, no fast kernel) `_grouped_mm` runs an exact per-group loop instead, reading the offsets to the host
+once per layer's forward and reusing them in its backward (`Offsets`); an expert without rows gets an
+exactly zero weight gradient on every path (torch's CUTLASS kernel has given nonzero ones on B200,
+pytorch#172439). Under torch.compile, grouped_mm's meta function admits bf16 only: other dtypes go through
 the opaque custom op `dstrain::grouped_mm`.
 
 On the CPU, bf16 grouped_mm runs one oneDNN GEMM per group, and oneDNN builds (JIT-compiles) a kernel for each
@@ -43,7 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kernels import compute_dtype
+from .kernels import FAST_GROUPED_GEMM, compute_dtype, cuda_capability, gpu_kernels
 
 CPU_GROUP_ROWS = 16
 
@@ -58,11 +61,12 @@ def group_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 
 def grouped_mm_ok(dtype: torch.dtype, device: torch.device, *sizes: int) -> bool:
-    """Whether torch's grouped_mm takes operands of this dtype whose inner sizes are `sizes`."""
+    """Whether torch's grouped_mm takes operands of this dtype whose inner sizes are `sizes` (on a GPU: with
+    its fast kernel)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if device.type == "cuda" and dtype != torch.bfloat16:
-        return False  # torch's loop with a host copy of the offsets: ours is no worse and is exact
+    if gpu_kernels(device) and (dtype != torch.bfloat16 or cuda_capability(device) not in FAST_GROUPED_GEMM):
+        return False  # torch's loop with a host copy of the offsets per call: ours reads them once
     align = 16 // torch.empty((), dtype=dtype).element_size()
     return all(s % align == 0 for s in sizes)
 
@@ -79,10 +83,22 @@ def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
 
 
-def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+class Offsets:
+    """A layer's int32 group ends on the device, read to the host at most once (by the per-group loop)."""
+
+    def __init__(self, ends: torch.Tensor, host: list[int] | None = None) -> None:
+        self.ends, self._host = ends, host
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.ends.tolist()
+        return self._host
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: Offsets) -> torch.Tensor:
     """grouped_mm's two forms by a loop over groups: (S, K) x (E, K, N) -> (S, N); (K, S) x (S, N) ->
-    (E, K, N). Reads the offsets on the host."""
-    ends = offs.tolist()
+    (E, K, N), an empty group's block exactly zero."""
+    ends = offs.host()
     starts = [0, *ends[:-1]]
     if b.dim() == 3:
         out = a.new_zeros(a.shape[0], b.shape[-1])
@@ -92,7 +108,7 @@ def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(starts, ends)])
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Offsets) -> torch.Tensor:
     """grouped_mm (2D x 3D jagged rows, or 2D x 2D jagged inner dim -> 3D), in the dtype the CPU computes
     fastest (see kernels.compute_dtype), with the fallbacks described at the top."""
     dtype = a.dtype
@@ -101,18 +117,21 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
         a, b = a.to(cdt), b.to(cdt)
     inner = (a.shape[-1], b.shape[-1]) if b.dim() == 3 else (a.shape[0], b.shape[-1])
     if not grouped_mm_ok(cdt, a.device, *inner):
-        out = _loop_mm(a, b, offs)
-    elif torch.compiler.is_compiling() and cdt != torch.bfloat16:
-        out = _grouped_mm_op(a, b, offs)
+        return _loop_mm(a, b, offs).to(dtype)
+    if torch.compiler.is_compiling() and cdt != torch.bfloat16:
+        out = _grouped_mm_op(a, b, offs.ends)
     else:
-        out = F.grouped_mm(a, b, offs=offs)
+        out = F.grouped_mm(a, b, offs=offs.ends)
+    if b.dim() == 2 and gpu_kernels(a.device):  # weight gradients: an idle expert's exactly zero
+        counts = torch.diff(offs.ends, prepend=offs.ends.new_zeros(1))
+        out = out.masked_fill((counts == 0).view(-1, 1, 1), 0)
     return out.to(dtype)
 
 
 def group_alignment(like: torch.Tensor) -> int:
     """Rows each expert's group starts at a multiple of (see the top): CPU_GROUP_ROWS where oneDNN runs the
     GEMMs (bf16 computed as bf16 on a CPU), else 1."""
-    return CPU_GROUP_ROWS if like.device.type == "cpu" and compute_dtype(like) == torch.bfloat16 else 1
+    return CPU_GROUP_ROWS if not gpu_kernels(like.device) and compute_dtype(like) == torch.bfloat16 else 1
 
 
 class _Rows:
@@ -169,7 +188,7 @@ def _t(w: torch.Tensor) -> torch.Tensor:
 
 def _swiglu_forward(
     xs: torch.Tensor,
-    offs: torch.Tensor,
+    offs: Offsets,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     w: torch.Tensor | None,
@@ -202,7 +221,7 @@ def _swiglu_backward(
     dys: torch.Tensor,
     xs: torch.Tensor,
     gu: torch.Tensor,
-    offs: torch.Tensor,
+    offs: Offsets,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     w: torch.Tensor | None,
@@ -256,7 +275,7 @@ def _sum_per_token(t: torch.Tensor, rows: _Rows, n: int, k: int) -> torch.Tensor
     CPU a scatter-add by token (index_add_ is deterministic there, and twice as fast as gathering the rows
     back: 2.3 vs 4.8 ms for 24576 x 512 fp32; under torch.compile inductor makes it a scatter loop 30x slower
     than eager's, 34 ms vs ~1 ms); elsewhere the gather of `_slot_sum` (index_add_ on CUDA uses atomics)."""
-    if t.device.type != "cpu" or torch.compiler.is_compiling():
+    if gpu_kernels(t.device) or torch.compiler.is_compiling():
         return _slot_sum(t, rows.back, n, k)
     acc = t.new_zeros((n + 1, *t.shape[1:]), dtype=torch.float32)  # row n: padding rows land there
     acc.index_add_(0, rows.slot // k, t.float())
@@ -297,8 +316,9 @@ class _RoutedExperts(torch.autograd.Function):
         ad = Adapters(*lora) if lora else None
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
-        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), rows.offs, gate_up, down, w, ad, scale)
-        ctx.scale = scale
+        groups = Offsets(rows.offs)
+        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), groups, gate_up, down, w, ad, scale)
+        ctx.scale, ctx.host = scale, groups._host  # offsets read to the host in forward serve backward too
         ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down, *acts, *lora)
         return _sum_per_token(ys, rows, n, k)
 
@@ -312,7 +332,7 @@ class _RoutedExperts(torch.autograd.Function):
         dys, xs = rows.take(dout.contiguous(), per=k), rows.take(x, per=k)
         base = any(ctx.needs_input_grad[4:6])
         dxs, d_gate_up, d_down, dw, d_ad = _swiglu_backward(
-            dys, xs, gu, rows.offs, gate_up, down, w, ad, ctx.scale, acts, base
+            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, w, ad, ctx.scale, acts, base
         )
         dx = _sum_per_token(dxs, rows, n, k)
         dweights = dw.index_select(0, rows.back).view(n, k).to(weights.dtype)
@@ -347,10 +367,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def forward(ctx, xs, offs, gate_up, down, scale, *lora):  # noqa: ANN001, ANN205
         ad = Adapters(*lora) if lora else None
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
+        groups = Offsets(rows.offs)
         gu, ys, acts = _swiglu_forward(
-            rows.take(xs) if rows.padded else xs, rows.offs, gate_up, down, None, ad, scale
+            rows.take(xs) if rows.padded else xs, groups, gate_up, down, None, ad, scale
         )
-        ctx.scale = scale
+        ctx.scale, ctx.host = scale, groups._host
         ctx.save_for_backward(xs, offs, gu, gate_up, down, *acts, *lora)
         return ys.index_select(0, rows.back) if rows.padded else ys
 
@@ -364,7 +385,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dys, xs = rows.take(dys), rows.take(xs)
         base = any(ctx.needs_input_grad[2:4])
         dxs, d_gate_up, d_down, _, d_ad = _swiglu_backward(
-            dys, xs, gu, rows.offs, gate_up, down, None, ad, ctx.scale, acts, base
+            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, None, ad, ctx.scale, acts, base
         )
         dxs = dxs.index_select(0, rows.back) if rows.padded else dxs
         return dxs, None, d_gate_up, d_down, None, *(d_ad or ())

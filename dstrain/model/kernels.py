@@ -1,11 +1,17 @@
-"""Device-specific kernel choices that keep the math of the plain ops (and nothing else).
+"""Device-specific kernel choices that keep the math of the plain ops (and nothing else), decided here.
 
 CPUs without bf16 instructions (no AVX512-BF16 / AMX) run bf16 GEMMs and attention several times slower than
 fp32 ones. There, bf16 linears and attention compute in fp32 and round their outputs to bf16: the semantics of
 bf16 kernels with fp32 accumulation, at fp32 speed. GPUs and bf16-capable CPUs use native bf16.
+
+`DSTRAIN_KERNEL_POLICY=cuda` makes every such decision take its CUDA branch on the CPU wherever the operation
+exists there (the varlen attention kernels are replaced by a CPU reference of the same signature), so the
+tests run the GPU-side logic on a machine without a GPU; `auto` (the default) follows the tensors' device.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +23,27 @@ CPU_NATIVE_BF16 = bool(
 )
 
 
+KERNEL_POLICY = os.environ.get("DSTRAIN_KERNEL_POLICY", "auto")
+if KERNEL_POLICY not in ("auto", "cuda"):
+    raise ValueError(f"DSTRAIN_KERNEL_POLICY={KERNEL_POLICY!r}: expected auto or cuda")
+# Compute capabilities whose grouped GEMM is torch's fast CUTLASS kernel (elsewhere: a per-group loop)
+FAST_GROUPED_GEMM = ((9, 0), (10, 0))
+
+
+def gpu_kernels(device: torch.device) -> bool:
+    """Whether work on `device` takes the CUDA branch of a kernel choice (see the top)."""
+    return device.type == "cuda" or KERNEL_POLICY == "cuda"
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability; under the CUDA policy on the CPU, a GPU with every fast kernel."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return FAST_GROUPED_GEMM[0]
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_NATIVE_BF16:
+    if x.dtype == torch.bfloat16 and not gpu_kernels(x.device) and not CPU_NATIVE_BF16:
         return torch.float32
     return x.dtype
 

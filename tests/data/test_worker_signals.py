@@ -1,7 +1,7 @@
 """DataLoader workers and the stop signals (scancel, a time limit and SLURM's --signal reach every process of the
-job step): workers ignore SIGTERM / SIGUSR1, a worker killed while the process is stopping is replaced by reading
-in the process from the same position (the same rows), and a process that fails with workers still exits.
-The whole run under such signals: tests/training/test_preempt.py."""
+job step): workers ignore SIGTERM / SIGUSR1 but for their parent's SIGTERM, a worker killed while the process
+is stopping is replaced by reading in the process from the same position (the same rows), and a process that
+fails with workers still exits. The whole run under such signals: tests/training/test_preempt.py."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_a_worker_killed_while_stopping_is_replaced_by_the_same_rows(tmp_path):
     before = set(multiprocessing.active_children())
     got = [next(loader) for _ in range(3)]
     (worker,) = set(multiprocessing.active_children()) - before
-    for sig in (signal.SIGTERM, signal.SIGUSR1):  # left to the rank
-        os.kill(worker.pid, sig)
+    for sig in ("TERM", "USR1"):  # from another process (the scheduler): left to the rank
+        subprocess.run(["kill", f"-{sig}", str(worker.pid)], check=True)
     time.sleep(0.5)
     assert worker.is_alive()
     watch_stop(lambda: True)  # this process has its stop signal
@@ -67,3 +67,16 @@ def test_a_process_failing_with_workers_exits(tmp_path):
     )
     assert proc.returncode == 1 and "failed with workers running" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
+
+
+def test_the_parents_sigterm_still_ends_a_worker(tmp_path):
+    """torch's last resort for a worker that does not stop when told, and multiprocessing's for daemonic
+    children at exit."""
+    loader = build_loader(_options(write_jsonl(tmp_path / "d.jsonl", text_rows(50)), 1), byte_tokenizer(), 2)
+    before = set(multiprocessing.active_children())
+    next(loader)
+    (worker,) = set(multiprocessing.active_children()) - before
+    worker.terminate()
+    worker.join(10)
+    assert worker.exitcode == 0
+    loader.close()

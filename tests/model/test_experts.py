@@ -60,7 +60,7 @@ def test_grouped_equals_the_per_expert_loop(dtype, d, i, tol, align, monkeypatch
 
     monkeypatch.setattr(experts, "group_alignment", lambda like: align)
     inputs = _inputs(d=d, i=i, dtype=dtype)
-    dout = torch.randn(inputs[0].shape).to(dtype)
+    dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     got, got_grads = _run(routed_experts, inputs, dout)
     want, want_grads = _run(reference, inputs, dout)
     assert got.dtype == dtype
@@ -84,7 +84,7 @@ def test_expert_parallel_pieces_compose_to_the_same_layer(align, monkeypatch):
 
     monkeypatch.setattr(experts, "group_alignment", lambda like: align)
     inputs = _inputs()
-    dout = torch.randn(inputs[0].shape)
+    dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(2))
 
     def pieces(x, idx, w, gate_up, down):
         order, offs = group_by_expert(idx, gate_up.shape[0])
@@ -134,7 +134,7 @@ def test_expert_adapters_equal_merged_weights(dtype, r, tol, frozen, align, monk
     if frozen:
         gate_up.requires_grad_(False), down.requires_grad_(False)
     ad, scale = _adapters(r=r, dtype=dtype), 1.5
-    dout = torch.randn(x.shape).to(dtype)
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     leaves = [x, w, *ad] + ([] if frozen else [gate_up, down])
     got = routed_experts(x, idx, w, gate_up, down, ad, scale)
     got_grads = torch.autograd.grad(got, leaves, dout)
@@ -177,10 +177,15 @@ def test_whole_model_compiles_fullgraph_no_host_sync(lora):
     from dstrain.model.lora import apply_lora
     from tests.model.test_lora import randomize_adapters
 
+    from dstrain.model.kernels import KERNEL_POLICY
+
     torch._dynamo.reset()
-    model = build_model(tiny_config(), seed=0)
-    if lora:
-        apply_lora(model, 4, 8.0, ["experts", "gate", "q_b_proj", "o_proj"])
+    # On a GPU the experts' grouped GEMM runs without a host sync in bf16 only (fp32 takes the per-group
+    # loop, which reads the offsets once per layer): under the CUDA policy the model is bf16
+    gpu = KERNEL_POLICY == "cuda"
+    model = build_model(tiny_config(), seed=0, dtype=torch.bfloat16 if gpu else torch.float32)
+    if lora:  # r: a grouped GEMM's inner size, a multiple of 16 bytes
+        apply_lora(model, 8 if gpu else 4, 8.0, ["experts", "gate", "q_b_proj", "o_proj"])
         randomize_adapters(model)
     ids = torch.randint(0, 256, (2, 16))
 
@@ -193,9 +198,12 @@ def test_whole_model_compiles_fullgraph_no_host_sync(lora):
     eager_grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     model.zero_grad()
     loss, load = step(torch.compile(model, fullgraph=True))
-    assert torch.allclose(loss, eager_loss, rtol=1e-5) and torch.equal(load, eager_load)
+    rtol, atol = (2e-2, 2e-3) if gpu else (1e-4, 1e-6)
+    assert torch.allclose(loss, eager_loss, rtol=rtol / 10)
+    # bf16 rounds the router's input differently compiled: a token may land on its next expert
+    assert (load - eager_load).abs().sum() <= (4 if gpu else 0)
     for p, g in zip([p for p in model.parameters() if p.requires_grad], eager_grads, strict=True):
-        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
+        assert torch.allclose(p.grad.float(), g.float(), rtol=rtol, atol=atol)
 
 
 def test_compiled_blocks_with_recomputed_moe_give_eager_gradients():
