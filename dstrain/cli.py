@@ -24,6 +24,7 @@ from dstrain.errors import UserError
 
 # name -> (module with `parse(argv)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("dstrain.env", "what this machine can run: torch/CUDA, GPUs, NCCL, kernels, DeepSpeed ops"),
     "train": ("dstrain.training.cli", "train a model (same as `python dstrain/train.py`)"),
     "data": ("dstrain.data.cli", "inspect data: `dstrain data audit`, `dstrain data stats`"),
     "plan": (

@@ -98,9 +98,13 @@ def _fill_env() -> None:
 
 
 def pick_accelerator() -> str:
-    """'cuda' or 'cpu'. Sets DS_ACCELERATOR=cpu when unset and there is no GPU, before deepspeed is imported,
-    so DeepSpeed never probes for other accelerators. On CUDA, this rank's GPU becomes the current device
-    here, before anything creates a CUDA context (which would otherwise land on GPU 0 for every rank)."""
+    """'cuda' or 'cpu'. DS_ACCELERATOR=cpu is honoured before CUDA is touched at all: a visible GPU changes
+    nothing of a CPU run (precision, overlap, pinning, rank to device). Otherwise CUDA when a GPU is visible:
+    this rank's GPU becomes the current device here, before anything creates a CUDA context (which would
+    otherwise land on GPU 0 for every rank); with none, DS_ACCELERATOR=cpu is set before deepspeed is
+    imported, so DeepSpeed never probes for other accelerators."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        return "cpu"
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         local_cuda_device()
         return os.environ.get("DS_ACCELERATOR", "cuda")
@@ -109,11 +113,16 @@ def pick_accelerator() -> str:
 
 
 def local_cuda_device() -> torch.device:
-    """This rank's GPU (LOCAL_RANK, or SLURM's/Open MPI's local id), made current. A UserError when the node
-    runs more ranks than it shows GPUs: two ranks on one GPU would fail inside NCCL."""
+    """This rank's GPU (LOCAL_RANK, or SLURM's/Open MPI's local id), made current. A task that sees one GPU
+    uses it whatever its local rank under srun (binding a GPU per task: each sees its own as cuda:0; DeepSpeed
+    then reads LOCAL_RANK 0 too). A UserError when the node runs more ranks than it shows GPUs: two ranks on one
+    GPU would fail inside NCCL."""
     env = os.environ
     local = env_local_rank()
     count = torch.cuda.device_count()
+    if count == 1 and local > 0 and "SLURM_LOCALID" in env:  # srun gave this task its own GPU
+        env["LOCAL_RANK"] = "0"
+        local = 0
     if local >= count:
         raise UserError(
             f"local rank {local} but {count} visible GPU(s) (CUDA_VISIBLE_DEVICES="

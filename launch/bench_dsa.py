@@ -123,7 +123,7 @@ def attention_step(model: DeepSeekLM, t: int) -> Callable[[], None]:
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        layout = attention_layout(pos, 1, t, x.device, x.dtype)
+        layout = attention_layout(pos, 1, t, x.device)
         out = block.self_attn(x, model._rope(pos), layout)
         out.sum().backward()
 

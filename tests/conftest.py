@@ -1,8 +1,12 @@
-"""Session fixtures. Helpers live in tests/helpers/."""
+"""Session fixtures. Helpers live in tests/helpers/. The suite runs on the CPU even where GPUs are visible
+(the GPU-side logic runs on the CPU under DSTRAIN_KERNEL_POLICY=cuda): nothing in it may touch CUDA."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
 

@@ -1,7 +1,7 @@
 """The import graph points only downward: `python -m pytest tests/test_imports.py` checks every import
 statement in the package (top level or inside a function) against the floors below.
 
-    entry points   cli.py, train.py, __main__.py
+    entry points   cli.py, train.py, __main__.py, env.py
     training       the run: the trainer, metrics, plots, preemption
     memory         `dstrain plan`: estimate, layout search, measurement
     config         options, the DeepSpeed file, the resolved run plan
@@ -32,7 +32,7 @@ FLOORS = {
     "training": {"base", "model", "data", "parallel", "checkpoint", "config", "memory"},
     "entry": {"base", "model", "data", "parallel", "checkpoint", "config", "memory", "training"},
 }
-ENTRY_POINTS = {"cli", "train", "__main__"}
+ENTRY_POINTS = {"cli", "train", "__main__", "env"}
 
 
 def floor_of(module: str) -> str:

@@ -3,7 +3,7 @@
 from .config import PRESETS, ModelConfig, get_config
 from .flops import flops_per_token, param_counts
 from .loading import build_model, from_pretrained, parse_dtype, save_pretrained
-from .model import DeepSeekLM, ModelOutput, combine_losses
+from .model import DeepSeekLM, ModelOutput, combine_losses, kernel_paths
 
 __all__ = [
     "PRESETS",
@@ -15,6 +15,7 @@ __all__ = [
     "flops_per_token",
     "from_pretrained",
     "get_config",
+    "kernel_paths",
     "param_counts",
     "parse_dtype",
     "save_pretrained",

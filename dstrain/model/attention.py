@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels import compute_dtype
+from .kernels import compute_dtype, cuda_capability, gpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +114,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
 
 
+def _varlen_reference(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale=None, scale=None, causal=True, window_size=(-1, 0)
+):  # noqa: ANN001, ANN202
+    """The varlen kernels' signature on any device: each document of the flattened rows by causal SDPA (the
+    CPU stand-in that lets the CUDA branch of `attend` run under DSTRAIN_KERNEL_POLICY=cuda)."""
+    bounds = cu_q.tolist()
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qd, kd, vd = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=softmax_scale or scale)
+        out[s:e] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
 def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
-    """The varlen flash kernel packed rows of this device and dtype run with, or None (SDPA with a mask)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    """The varlen flash kernel packed rows of this device and dtype run with, or None (SDPA with a mask):
+    bf16 / fp16 on a GPU with FlashAttention's (sm80 or newer)."""
+    if (
+        not gpu_kernels(device)
+        or dtype not in (torch.bfloat16, torch.float16)
+        or cuda_capability(device) < (8, 0)
+    ):
         return None
+    if device.type != "cuda":
+        return "CPU reference of the varlen kernels (DSTRAIN_KERNEL_POLICY=cuda)"
     if flash_attn_varlen_func is not None:
         return "flash-attn varlen"
     return "torch varlen_attn" if varlen_attn is not None else None
+
+
+def attention_path(device: torch.device, dtype: torch.dtype, packed: bool) -> str:
+    """What `attend` runs for rows of this device and dtype (packed: several documents per row)."""
+    if not gpu_kernels(device):
+        return "block attention" + (" with document ids" if packed else "") + " (dstrain's CPU kernel)"
+    if not packed:
+        return "causal SDPA"
+    return varlen_kernel(device, dtype) or "SDPA with a (B, 1, T, T) document mask"
 
 
 @dataclass
@@ -133,10 +163,10 @@ class AttentionLayout:
     same ones again)."""
 
     causal_only: bool
-    mask: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend (SDPA off the CPU)
+    mask: torch.Tensor | None = None  # (B, 1, T, T) bool, True = may attend: built where SDPA first needs it
     doc: torch.Tensor | None = None  # (B, T) document id of every position
-    cu_seqlens: torch.Tensor | None = None  # int32 document boundaries over the flattened batch
-    max_seqlen: int = 0
+    cu_seqlens: torch.Tensor | None = None  # int32 document boundaries over the flattened batch (GPU kernels)
+    max_seqlen: int = 0  # the row length: a bound the varlen kernels take, the same for every batch
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, k) chosen keys
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its indexer's figures
 
@@ -145,10 +175,13 @@ _logged: set[str] = set()
 
 
 def attention_layout(
-    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device, dtype: torch.dtype
+    position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device
 ) -> AttentionLayout:
-    """A document starts wherever position_ids restart at 0 (and at every row start). Host syncs here (one
-    check for plain rows; a varlen kernel's lengths) happen once per forward, never inside a block."""
+    """A document starts wherever position_ids restart at 0 (and at every row start). What each kernel needs
+    is built once per forward, before the first block, with its host syncs (one check for plain rows; the
+    document starts for the GPU kernels): the document ids (the CPU kernel, sparse attention, and a mask
+    built on first need), and on GPUs the varlen kernels' boundaries. Which kernel runs is decided in
+    `attend`, from the activations' dtype, so that a pipeline stage without the embedding decides alike."""
     if position_ids is None:
         return AttentionLayout(causal_only=True)
     arange = torch.arange(seq, device=device)
@@ -156,23 +189,14 @@ def attention_layout(
         return AttentionLayout(causal_only=True)
     starts = position_ids == 0
     starts[:, 0] = True
-    kernel = varlen_kernel(device, dtype)
-    cpu = device.type == "cpu"
-    path = kernel or (
-        "block attention with document ids" if cpu else "SDPA with a (B, 1, T, T) document mask"
-    )
-    if path not in _logged:
-        _logged.add(path)
-        log.info("packed rows on %s/%s: %s", device.type, str(dtype).removeprefix("torch."), path)
     doc = starts.cumsum(dim=1)
-    if kernel is None:
-        if cpu:
-            return AttentionLayout(causal_only=False, doc=doc)
-        return AttentionLayout(causal_only=False, mask=_causal_mask(seq, device, doc), doc=doc)
+    if not gpu_kernels(device):
+        return AttentionLayout(causal_only=False, doc=doc)
     flat = starts.flatten().nonzero().flatten()
     cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=longest)
+    # max_seqlen: the row length bounds every document; a constant keeps torch.compile from recompiling per
+    # batch (a new value each time), and needs no host read of the lengths
+    return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=seq)
 
 
 def _causal_mask(seq: int, device: torch.device, doc: torch.Tensor | None) -> torch.Tensor:
@@ -196,33 +220,40 @@ def attend(
     b, t, h, dv = v.shape
     if selection is not None and selection.shape[-1] >= t:
         selection = None  # every key is chosen: dense
-    if layout.cu_seqlens is not None and selection is None:
+    path = attention_path(q.device, q.dtype, not layout.causal_only)
+    if path not in _logged:
+        _logged.add(path)
+        log.info("attention on %s/%s: %s", q.device.type, str(q.dtype).removeprefix("torch."), path)
+    kernel = varlen_kernel(q.device, q.dtype) if layout.cu_seqlens is not None and selection is None else None
+    if kernel is not None:
         dqk = q.shape[-1]
         cu, longest = layout.cu_seqlens, layout.max_seqlen
         # The varlen kernels want one head dim for q, k and v: pad v and cut the padding off the output.
         v_pad = F.pad(v, (0, dqk - dv)) if dv < dqk else v
         qkv = [x.reshape(b * t, h, dqk) for x in (q, k, v_pad)]
-        if flash_attn_varlen_func is not None:
+        if q.device.type != "cuda":
+            out = _varlen_reference(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+        elif flash_attn_varlen_func is not None:
             out = flash_attn_varlen_func(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
         else:
             out = varlen_attn(*qkv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
         return out[..., :dv].reshape(b, t, h, dv)
-    if q.device.type == "cpu":
+    if not gpu_kernels(q.device):
         # (B, T, H, d) -> (B * H, T, d) rows in the compute dtype (see kernels.compute_dtype)
         cdtype = compute_dtype(q)
         rows = [x.to(cdtype).transpose(1, 2).reshape(b * h, t, -1) for x in (q, k, v)]
         out = _cpu_attention(*rows, scale, layout.doc, selection)[0]
         return out.view(b, h, t, dv).transpose(1, 2).to(q.dtype)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if layout.causal_only and selection is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+    if layout.mask is None:  # built once per forward, by the first layer that needs it
+        layout.mask = _causal_mask(t, q.device, layout.doc)
+    mask = layout.mask
     if selection is not None:  # no sparse kernel here: SDPA over a (B, 1, T, T) mask of the chosen keys
-        mask = layout.mask if layout.mask is not None else _causal_mask(t, q.device, layout.doc)
         chosen = torch.zeros(b, t, t, dtype=torch.bool, device=q.device).scatter_(-1, selection, True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask & chosen.unsqueeze(1), scale=scale)
-    elif layout.causal_only:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale)
-    return out.transpose(1, 2)
+        mask = mask & chosen.unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
 
 
 CPU_BLOCK_ROWS = 64  # query rows per block: 64 ran faster than 128 or 256 at T 512 (fp32 and bf16)

@@ -304,9 +304,8 @@ def _slot_sum(
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return inv
+    # scatter, not index assignment: the same kernel, and one FakeTensor can trace for a GPU on a CPU build
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 class _RoutedExperts(torch.autograd.Function):

@@ -24,6 +24,7 @@ from .attention import (
     apply_rope,
     attend,
     attention_layout,
+    attention_path,
     rope_cos_sin,
     rope_frequencies,
     softmax_scale,
@@ -325,6 +326,25 @@ class ModelOutput(dict):
         self[name] = value
 
 
+def kernel_paths(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """Which kernels the model runs on `device` at `dtype`: attention on plain and on packed rows, the routed
+    experts' GEMMs (what `dstrain env` and a run's first lines show)."""
+    from .experts import grouped_mm_ok
+    from .kernels import compute_dtype
+
+    compute = compute_dtype(torch.empty((), dtype=dtype, device=device)) if device.type == "cpu" else dtype
+    paths = {
+        "attention": attention_path(device, dtype, packed=False),
+        "attention, packed rows": attention_path(device, dtype, packed=True),
+    }
+    if cfg.is_moe:
+        fast = grouped_mm_ok(compute, device, cfg.hidden_size, cfg.moe_intermediate_size)
+        paths["experts"] = "grouped GEMM" if fast else "a GEMM per expert (offsets read once per layer)"
+    if compute != dtype:
+        paths["compute dtype"] = f"{str(compute).removeprefix('torch.')} (this CPU has no native bf16)"
+    return paths
+
+
 def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN201 - tensors or floats
     """The training objective from its parts: `lm` the token-mean LM loss, `mtp` the mean over depths of the
     token-mean MTP losses (or None), `aux` the sequence-balance loss (or None): lm + λ·mtp + α·aux."""
@@ -518,9 +538,7 @@ class DeepSeekLM(nn.Module):
         pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
         sp = self.seq_parallel
         whole = sp.gather(pos) if sp else position_ids  # the mask spans whole rows
-        layout = attention_layout(
-            whole, b, t * (sp.size if sp else 1), device, self.embed_tokens.weight.dtype
-        )
+        layout = attention_layout(whole, b, t * (sp.size if sp else 1), device)
         return self._rope(pos), layout
 
     @property

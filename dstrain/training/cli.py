@@ -9,6 +9,8 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from dstrain import dist
 from dstrain.checkpoint import store
 from dstrain.config.ds_config import RESOLVED
@@ -16,6 +18,7 @@ from dstrain.config.options import CheckpointOptions, Options, parse_options
 from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import CheckpointError, UserError
 from dstrain.memory.estimate import device_warning
+from dstrain.model import kernel_paths
 
 from . import watchdog
 from .metrics import METRICS_FILE
@@ -102,6 +105,11 @@ def _train(plan: RunPlan) -> int:
         f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, "
         f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps",
         flush=True,
+    )
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    say(
+        "dstrain: kernels: "
+        + "; ".join(f"{k}: {v}" for k, v in kernel_paths(plan.model, info.device, dtype).items())
     )
     say(f"dstrain: outputs in {os.path.abspath(output_dir)} ({METRICS_FILE}, checkpoints/, {RESOLVED})")
     if info.is_main and (warning := device_warning(plan, info.device, info.local_world_size)):

@@ -174,10 +174,9 @@ def test_whole_model_compiles_fullgraph_no_host_sync(lora):
     AOTAutograd traces with it (a sync there fails the trace). With LoRA on the experts, the routers and
     the attention too."""
     from dstrain.model import build_model
+    from dstrain.model.kernels import KERNEL_POLICY
     from dstrain.model.lora import apply_lora
     from tests.model.test_lora import randomize_adapters
-
-    from dstrain.model.kernels import KERNEL_POLICY
 
     torch._dynamo.reset()
     # On a GPU the experts' grouped GEMM runs without a host sync in bf16 only (fp32 takes the per-group

@@ -65,6 +65,12 @@ LAYOUTS = {  # name -> flags
     "dsa_ep2": f"--config zero2 --ep 2 {DSA}",
     "dsa_sp2": f"--config zero1 --sp 2 {DSA}",
     "dsa_dp1": f"--config zero1 {DSA}",
+    # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
+    # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
+    "dp2_bf16": "--config {out}/zero1_overlap.json --precision bf16",
+    "pp2_bf16": "--config {out}/zero1_overlap.json --precision bf16 --pp 2",
+    "tp2_bf16": "--config {out}/zero1_overlap.json --precision bf16 --tp 2",
+    "ep2_bf16": "--config {out}/zero2_overlap.json --precision bf16 --ep 2",
 }
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
@@ -144,6 +150,9 @@ def main(out: str, layouts: list[str]) -> None:
 
     info = dist.init_distributed()
     Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    for stage in (1, 2):
+        zero = {"stage": stage, "overlap_comm": True}
+        Path(out, f"zero{stage}_overlap.json").write_text(json.dumps({"zero_optimization": zero}))
     for name in layouts:
         base = f"{out}/{name}"
         flags = LAYOUTS[name].format(out=out)

@@ -1,0 +1,143 @@
+"""`dstrain env`: what this machine can run, the first command on a new machine. It prints the software
+(torch and its CUDA build, DeepSpeed, transformers, flash-attn), whether CUDA starts (and why not where a GPU
+is present but it does not: a wheel built for a newer driver, a CPU wheel), the GPUs with their compute
+capability and native bf16, NCCL, the kernels dstrain will use at each precision, DeepSpeed's ops, and the
+matmul peak MFU is measured against. Exit 0 when a run can start, 1 with the reason when it cannot."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import os
+import shutil
+import subprocess
+
+import torch
+
+from dstrain.cmdline import command_parser
+from dstrain.errors import UserError
+
+
+class CannotRun(UserError):
+    exit_code = 1
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version, read without CUDA (None where there is no NVIDIA driver)."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            line = f.readline()
+        return next((w for w in line.split() if w[:1].isdigit() and "." in w), line.strip())
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+            return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return None
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU this machine exposes, whatever torch makes of it."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or _driver() is not None
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA does not start where a GPU is present (gpu_readiness N2); None when it starts or there is no
+    GPU."""
+    if not gpu_present() or os.environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    built = torch.version.cuda
+    if built is None:
+        return (f"an NVIDIA GPU is present but torch {torch.__version__} is a CPU build: install a CUDA wheel, "
+                "e.g. pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+    if not torch.cuda.is_available():
+        return (f"an NVIDIA GPU is present (driver {_driver() or 'unknown'}) but CUDA {built} of torch "
+                f"{torch.__version__} does not start: a wheel for a newer driver (CUDA 13 needs driver >= 580), "
+                "or CUDA_VISIBLE_DEVICES hides every GPU; install the wheel of your driver's CUDA "
+                "(--index-url https://download.pytorch.org/whl/cu128 or cu126)")  # fmt: skip
+    return None
+
+
+def _deepspeed_ops() -> str:
+    try:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    except Exception as exc:  # an accelerator DeepSpeed cannot set up
+        return f"cannot list ({type(exc).__name__}: {exc})"
+    ok = []
+    for name, builder in sorted(ALL_OPS.items()):
+        try:
+            if builder.is_compatible(verbose=False):
+                ok.append(name)
+        except Exception:  # a builder that cannot even check on this machine
+            continue
+    return f"{len(ok)} of {len(ALL_OPS)} compatible (built on first use): {', '.join(ok)}"
+
+
+def report() -> tuple[list[str], str | None]:
+    """(the lines to print, the reason a run cannot start or None)."""
+    from dstrain.model import get_config, kernel_paths
+    from dstrain.model.attention import flash_attn_varlen_func, varlen_attn
+    from dstrain.model.kernels import CPU_NATIVE_BF16
+
+    lines = [
+        f"python {'.'.join(map(str, __import__('sys').version_info[:3]))}, torch {torch.__version__} "
+        f"(CUDA build {torch.version.cuda or 'none'}), deepspeed {_version('deepspeed')}, "
+        f"transformers {_version('transformers')}, dstrain {_version('dstrain')}",
+        f"NVIDIA driver: {_driver() or 'none found'}",
+    ]
+    problem = cuda_problem()
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+    devices = []
+    if cuda:
+        lines.append(
+            f"CUDA starts: {torch.cuda.device_count()} GPU(s), NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+        )
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+            lines.append(f"  cuda:{i} {p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, "
+                         f"bf16 {'native' if native else 'emulated: training runs fp32'}")  # fmt: skip
+            devices.append(torch.device("cuda", i))
+    else:
+        lines.append(f"CUDA: {problem or 'no GPU: runs on the CPU (gloo)'}")
+        lines.append(
+            f"  CPU: {os.cpu_count()} cores, native bf16 {'yes' if CPU_NATIVE_BF16 else 'no (bf16 computes in fp32)'}"
+        )
+    flash = "installed" if flash_attn_varlen_func is not None else _version("flash-attn")
+    lines.append(f"flash-attn: {flash}; torch varlen_attn: {'yes' if varlen_attn is not None else 'no'}")
+    device = devices[0] if devices else torch.device("cpu")
+    cfg = get_config("tiny")
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        paths = kernel_paths(cfg, device, dtype)
+        lines.append(f"kernels, {name} on {device.type}: " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
+    lines.append(f"DeepSpeed ops: {_deepspeed_ops()}")
+    from dstrain.training.metrics import device_peak_tflops
+
+    peak, source = device_peak_tflops(device, "bf16" if cuda else "fp32", None)
+    lines.append(f"MFU peak per device: {peak:.3g} TFLOP/s ({source}; --peak_tflops to set it)")
+    return lines, problem
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return command_parser("dstrain env", __doc__.split("\n\n")[0]).parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    lines, problem = report()
+    print("\n".join(lines), flush=True)
+    if problem:
+        raise CannotRun(problem)
+    print("dstrain env: a run can start", flush=True)
+    return 0
