@@ -151,17 +151,19 @@ def bf16_two_rank(tmp_path_factory):
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_layouts_with_overlapped_reductions(bf16_two_rank, reference, name):
     """The GPU configuration on gloo (gpu_readiness #16, N14): bf16 weights and activations, ZeRO's reductions
-    overlapped with backward. Step 1 starts from the same weights: its loss and grad norm equal data
-    parallel's to bf16's precision; the global norm is the true one (not a stage's, not double counted); 8
-    steps stay within bf16 of data parallel's and of one fp32 process."""
+    overlapped with backward: 8 steps' losses and global grad norms equal data parallel's (the same bf16
+    arithmetic; a stage's or a double-counted norm would differ by far more) and stay within bf16's error of
+    one fp32 process."""
     _, res = bf16_two_rank
     got, dp = res[name]["history"], res["dp2_bf16"]["history"]
-    assert (
-        _rel(got[0]["loss"], dp[0]["loss"]) <= 2e-3 and _rel(got[0]["grad_norm"], dp[0]["grad_norm"]) <= 1e-2
-    )
-    assert _rel(got[0]["grad_norm"], reference[0][0]["grad_norm"]) <= 2e-2
-    for g, d, w in zip(got, dp, reference[0], strict=True):
-        assert _rel(g["loss"], d["loss"]) <= 1e-2 and _rel(g["loss"], w["loss"]) <= 2e-2, (name, g, d, w)
+    assert _rel(got[0]["grad_norm"], reference[0][0]["grad_norm"]) <= 3e-2  # bf16's own error (1.7e-2 seen)
+    for g, d, w in zip(got, dp, reference[0], strict=True):  # 1e-7 seen against data parallel
+        assert _rel(g["loss"], d["loss"]) <= 1e-4 and _rel(g["grad_norm"], d["grad_norm"]) <= 1e-4, (
+            name,
+            g,
+            d,
+        )
+        assert _rel(g["loss"], w["loss"]) <= 2e-2, (name, g, w)
 
 
 @pytest.mark.parametrize("name", TWO_DSA)
