@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +23,10 @@ from typing import Any
 import torch
 
 from dstrain.cmdline import command_parser
-from dstrain.errors import CheckpointError, ConfigError
+from dstrain.errors import CheckpointError, ConfigError, UserError
 from dstrain.model.config import ModelConfig
-from dstrain.model.hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
-from dstrain.model.loading import parse_dtype
+from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors, to_hf, write_hf_config
+from dstrain.model.loading import parse_dtype, tensors_beside
 from dstrain.model.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.model import EXPERT_BIAS, is_expert_bias
 
@@ -52,8 +53,10 @@ OUTPUT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json
 
 # ------------------------------------------------------------------ the checkpoint
 def default_dtype(cfg: ModelConfig) -> torch.dtype:
-    """The dtype of the folder training started from (its config.json), else float32."""
-    name = cfg.extra.get("dtype") or cfg.extra.get("torch_dtype")
+    """The dtype of the folder training started from (its config.json: of a multimodal checkpoint, the one
+    around the text model's, as `from_pretrained` reads it), else float32."""
+    outer = (cfg.hf_source or {}).get("outer") or {}
+    name = next((c[k] for c in (outer, cfg.extra) for k in ("dtype", "torch_dtype") if c.get(k)), None)
     try:
         return parse_dtype(str(name)) if name else torch.float32
     except ValueError:
@@ -118,18 +121,29 @@ def prepare_out(out: Path, force: bool) -> None:
 
 def write_configs(cfg: ModelConfig, out: Path, dtype: torch.dtype, source: str | None) -> list[str]:
     """config.json, generation_config.json (the source folder's, when training started from one) and the
-    source folder's tokenizer files."""
+    source folder's tokenizer files and code (of a multimodal checkpoint: every file but its weights and
+    configs, its processor's too: the export is that folder with the text model trained)."""
     src = Path(source) if source and os.path.isdir(source) else None
     generation = None
     if src is not None and (src / "generation_config.json").is_file():
         generation = json.loads((src / "generation_config.json").read_text())
     write_hf_config(cfg, out, dtype, generation)
-    copied = []
-    for name in (*TOKENIZER_FILES, *_remote_code(cfg)) if src is not None else ():
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-            copied.append(name)
-    return copied
+    if src is None:
+        return []
+    if cfg.wrapper:
+        written = ("config.json", "generation_config.json")
+        names = [
+            p.name for p in src.iterdir() if p.is_file() and not _is_weights(p.name) and p.name not in written
+        ]
+    else:
+        names = [n for n in (*TOKENIZER_FILES, *_remote_code(cfg)) if (src / n).is_file()]
+    for name in sorted(names):
+        shutil.copyfile(src / name, out / name)
+    return sorted(names)
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth")) or name == SAFE_INDEX
 
 
 def _remote_code(cfg: ModelConfig) -> list[str]:
@@ -184,7 +198,13 @@ def export(
                 f"checkpoint tensor {exc.args[0]} has no place in the model's config"
             ) from None
 
-    files = save_hf_tensors(tensors(), out, max_shard_bytes)
+    try:
+        with tensors_beside(cfg, source) as copied:  # a multimodal checkpoint's vision tower and projector
+            files = save_hf_tensors(tensors(), out, max_shard_bytes, copied)
+    except UserError:
+        raise
+    except ValueError as exc:  # the folder a multimodal checkpoint's text model came from (tensors_beside)
+        raise CheckpointError(f"checkpoint {ckpt}: {exc}") from None
     missing = expected_hf_keys(cfg) - seen
     if missing:
         raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
@@ -269,7 +289,10 @@ def verify(
     hf_logging.set_verbosity_error()  # its load report lists the MTP layers it does not build, as "unexpected"
     hf_logging.disable_progress_bar()
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        if cfg.wrapper:
+            hf = _text_model(cfg, out).eval()
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     finally:
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
@@ -278,6 +301,19 @@ def verify(
     want = ref.eval()(ids).logits
     got = hf(input_ids=ids, use_cache=False).logits
     return float((got.float() - want.float()).abs().max())
+
+
+def _text_model(cfg: ModelConfig, out: str | os.PathLike) -> Any:
+    """transformers' model of a multimodal folder's text model alone (its family's class, its tensors read from
+    under the prefix; the vision tower's are left unread), in fp32."""
+    import transformers
+
+    text = json.loads((Path(out) / "config.json").read_text())[cfg.wrapper.text_config]
+    del text["model_type"]  # e.g. kimi_k2, which transformers does not know: the family's class reads it
+    config = getattr(transformers, cfg.family.hf_config)(**text)
+    model_class = getattr(transformers, cfg.family.architecture)
+    prefix = {f"^{re.escape(cfg.hf_prefix)}": ""}
+    return model_class.from_pretrained(str(out), config=config, dtype=torch.float32, key_mapping=prefix)
 
 
 # ------------------------------------------------------------------ CLI

@@ -58,6 +58,24 @@ ARCHITECTURES = {f.architecture: name for name, f in FAMILIES.items()}
 INDEXER_TYPES = ("full", "shared")
 
 
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose text model dstrain trains: where the text model's config and tensors sit.
+    Its other tensors (vision tower, projector) are not the model's: an export copies them unchanged."""
+
+    text_config: str
+    """The config.json key of the text model's config."""
+    prefix: str
+    """What the text model's tensor names start with."""
+
+
+# By the outer config.json's model_type.
+WRAPPERS = {
+    # moonshotai/Kimi-K2.5: a MoonViT vision tower and projector beside a Kimi-K2 text model
+    "kimi_k25": Wrapper("text_config", "language_model."),
+}
+
+
 def _family(d: dict[str, Any]) -> str:
     """The family (FAMILIES) from model_type and architectures; another model_type with a DeepSeek
     architecture (kimi_k2, ...) is that architecture; contradictions are errors naming the field."""
@@ -72,6 +90,24 @@ def _family(d: dict[str, Any]) -> str:
     if by_arch is None:
         raise ValueError(f"config.json model_type={model_type!r}: dstrain loads {', '.join(FAMILIES)}")
     return by_arch
+
+
+def _unwrap(d: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the outer config without its text model's, the text model's config) of a multimodal config.json
+    (WRAPPERS); (None, d) for a text model's own."""
+    model_type = d.get("model_type")
+    wrapper = WRAPPERS.get(model_type)
+    if wrapper is None:
+        if "text_config" in d or "vision_config" in d:
+            raise ValueError(
+                f"config.json model_type={model_type!r} is multimodal: dstrain trains the text model of "
+                f"{', '.join(WRAPPERS)} checkpoints"
+            )
+        return None, d
+    text = d.pop(wrapper.text_config, None)
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json model_type={model_type!r}: no {wrapper.text_config} (its text model)")
+    return d, text
 
 
 def _hf_defaults(family: str) -> dict[str, Any]:
@@ -188,8 +224,9 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """HF config.json keys dstrain does not interpret, written back unchanged on save."""
     hf_source: dict[str, Any] | None = field(default=None, compare=False)
-    """The forms of the config.json this came from ({"model_type", "rope": its rope fields}), written back by
-    to_hf_dict so every reader of the original reads the export; None: transformers 5's forms."""
+    """The forms of the config.json this came from ({"model_type", "rope": its rope fields, "keys"; "outer":
+    a multimodal checkpoint's config around the text model (WRAPPERS); "folder": where it was read}), written
+    back by to_hf_dict so every reader of the original reads the export; None: transformers 5's forms."""
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
@@ -290,6 +327,17 @@ class ModelConfig:
         return FAMILIES[self.model_type]
 
     @property
+    def wrapper(self) -> Wrapper | None:
+        """The multimodal checkpoint this is the text model of (its vision tower stays in the source folder)."""
+        outer = (self.hf_source or {}).get("outer")
+        return WRAPPERS[outer["model_type"]] if outer else None
+
+    @property
+    def hf_prefix(self) -> str:
+        """What the model's tensor names start with in its checkpoint folder ("" unless wrapped)."""
+        return self.wrapper.prefix if self.wrapper else ""
+
+    @property
     def sparse_attention(self) -> bool:
         """DeepSeek Sparse Attention (a lightning indexer per full layer)."""
         return self.index_topk is not None
@@ -333,13 +381,20 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """A checkpoint's config.json as it ships: fields it leaves out take the defaults of transformers'
         DeepseekV3Config / DeepseekV2Config (what transformers would run), routing fields are read and
-        checked, and the forms to write back (model_type, rope fields) are remembered."""
-        d = copy.deepcopy(d)
-        family = _family(d)
+        checked, and the forms to write back (model_type, rope fields) are remembered. A multimodal
+        checkpoint's (WRAPPERS) is its text model's, the config around it remembered."""
+        outer, d = _unwrap(copy.deepcopy(d))
+        try:
+            family = _family(d)
+        except ValueError as exc:
+            if outer is None:
+                raise
+            raise ValueError(f"{outer['model_type']} text model: {exc}") from None
         source = {
             "model_type": d.get("model_type"),
             "rope": {k: d[k] for k in ROPE_KEYS if k in d},
             "keys": sorted(d),
+            **({"outer": outer} if outer is not None else {}),
         }
         d["model_type"] = family
         for key, value in _hf_defaults(family).items():
@@ -472,6 +527,8 @@ class ModelConfig:
             if family.mtp_key:
                 d[family.mtp_key] = self.num_nextn_predict_layers
         d.update({k: v for k, v in self.extra.items() if k not in d})
+        if self.wrapper:  # a multimodal checkpoint's text model: inside its outer config, as it came
+            return {**copy.deepcopy(source["outer"]), self.wrapper.text_config: d}
         return d
 
     @classmethod
@@ -480,7 +537,9 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
         with open(cfg_file) as f:
-            return cls.from_hf_dict(json.load(f))
+            cfg = cls.from_hf_dict(json.load(f))
+        cfg.hf_source["folder"] = os.path.abspath(path)  # what save_pretrained copies a vision tower from
+        return cfg
 
 
 def _sparse_attention_fields(d: dict[str, Any], family: str) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 On disk we use the official DeepSeek layout (what transformers' `save_pretrained` also writes): one key per
 routed expert and projection, MTP modules as `model.layers.{num_hidden_layers + k}.*` with their own copies of
-the shared embedding and head (except GLM-5's, which have none). In memory, experts are fused 3-D tensors and MTP modules share the embedding
-and head; this table is the only place that knows both.
+the shared embedding and head (except GLM-5's, which have none); the text model of a multimodal checkpoint
+(Kimi-K2.5) under its prefix (`language_model.`). In memory, experts are fused 3-D tensors and MTP modules
+share the embedding and head; this table is the only place that knows both.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -19,6 +21,9 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .model import is_expert_bias
+
+if TYPE_CHECKING:
+    from .reader import SafetensorsFile
 
 # HF key (after `model.` for per-layer keys) -> dstrain key. Per-layer keys not listed map unchanged.
 GLOBAL_KEYS: dict[str, str] = {
@@ -67,6 +72,10 @@ class Target:
 
 
 def hf_to_dstrain(hf_key: str, cfg: ModelConfig) -> Target:
+    prefix = cfg.hf_prefix
+    if not hf_key.startswith(prefix):
+        raise KeyError(hf_key)
+    hf_key = hf_key[len(prefix) :]
     if hf_key in GLOBAL_KEYS:
         return Target(GLOBAL_KEYS[hf_key])
     m = _LAYER.fullmatch(hf_key)
@@ -93,6 +102,10 @@ def hf_to_dstrain(hf_key: str, cfg: ModelConfig) -> Target:
 
 def dstrain_to_hf(key: str, cfg: ModelConfig) -> list[str]:
     """The HF keys a dstrain tensor is written as (several for fused experts, in expert order)."""
+    return [cfg.hf_prefix + k for k in _dstrain_to_hf(key, cfg)]
+
+
+def _dstrain_to_hf(key: str, cfg: ModelConfig) -> list[str]:
     if key in GLOBAL_KEYS_INV:
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             return []
@@ -132,7 +145,7 @@ def to_hf(
     MTP layers' copies of the shared embedding and head emitted when the shared tensor passes by, floating
     tensors cast to `dtype` (the expert bias stays fp32). A key with no place in `cfg` is a KeyError."""
     depth = cfg.num_nextn_predict_layers if cfg.family.mtp_head_copies else 0  # GLM-5's MTP layers have none
-    mtp_prefixes = [f"model.layers.{cfg.num_hidden_layers + k}." for k in range(depth)]
+    mtp_prefixes = [f"{cfg.hf_prefix}model.layers.{cfg.num_hidden_layers + k}." for k in range(depth)]
     copies = {ds: [p + hf for p in mtp_prefixes] for hf, ds in MTP_SHARED_KEYS.items()}
     if cfg.tie_word_embeddings:  # the head is the embedding: its MTP copies come with it
         copies["embed_tokens.weight"] += copies.pop("lm_head.weight")
@@ -152,10 +165,13 @@ def write_hf_config(
     """config.json (the model's HF config, weights declared as `dtype`, dequantized) and
     generation_config.json (`generation`, else the config's special token ids)."""
     hf_cfg = cfg.to_hf_dict()
-    hf_cfg.pop("quantization_config", None)  # weights are written dequantized
-    hf_cfg["dtype"] = str(dtype).removeprefix("torch.")
-    if "torch_dtype" in hf_cfg:  # older readers look for this name
-        hf_cfg["torch_dtype"] = hf_cfg["dtype"]
+    # a multimodal checkpoint's text model declares its own (Kimi-K2.5's INT4 experts: text_config's)
+    levels = [hf_cfg, hf_cfg[cfg.wrapper.text_config]] if cfg.wrapper else [hf_cfg]
+    for level in levels:
+        level.pop("quantization_config", None)  # weights are written dequantized
+        level["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in level:  # older readers look for this name
+            level["torch_dtype"] = level["dtype"]
     if generation is None:
         ids = ("bos_token_id", "eos_token_id", "pad_token_id")
         generation = {k: getattr(cfg, k) for k in ids if getattr(cfg, k) is not None}
@@ -218,8 +234,13 @@ def save_hf_tensors(
     tensors: Iterator[tuple[str, torch.Tensor]],
     path: str | os.PathLike,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    copied: Sequence[tuple[str, SafetensorsFile]] = (),
 ) -> list[str]:
-    """Write (key, tensor) pairs as safetensors shards; an index is written when there is more than one."""
+    """Write (key, tensor) pairs as safetensors shards; an index is written when there is more than one.
+    `copied`: (key, the file it is in) of tensors copied byte for byte (a multimodal checkpoint's vision
+    tower: not the model's, never read as tensors), in shards of their own after the model's."""
+    from .reader import write_raw  # here: reader imports this module
+
     path = str(path)
     os.makedirs(path, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -246,6 +267,11 @@ def save_hf_tensors(
         total += nbytes
     if shards[-1] or not tmp_names:
         flush()
+    for group in _by_size(copied, max_shard_bytes):  # copied tensors: shards of their own
+        name = f"_shard{len(tmp_names)}.tmp"
+        total += write_raw(os.path.join(path, name), group)
+        weight_map.update(dict.fromkeys((k for k, _ in group), len(tmp_names)))
+        tmp_names.append(name)
     n = len(tmp_names)
     if n == 1:
         names = [SAFE_WEIGHTS]
@@ -261,3 +287,19 @@ def save_hf_tensors(
         with open(os.path.join(path, SAFE_INDEX), "w") as f:
             json.dump(index, f, indent=2)
     return names
+
+
+def _by_size(
+    copied: Sequence[tuple[str, SafetensorsFile]], max_bytes: int
+) -> Iterator[list[tuple[str, SafetensorsFile]]]:
+    """`copied` in consecutive groups of at most `max_bytes` (a larger tensor alone)."""
+    group: list[tuple[str, SafetensorsFile]] = []
+    size = 0
+    for key, src in copied:
+        if group and size + src.nbytes(key) > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append((key, src))
+        size += src.nbytes(key)
+    if group:
+        yield group

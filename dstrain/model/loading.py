@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import zlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from .config import ModelConfig, get_config
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
 from .lora import is_lora_key
 from .model import DeepSeekLM, is_expert_bias
-from .reader import HFReader
+from .reader import HFReader, SafetensorsFile
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +193,39 @@ def _check_shared_copies(reader: HFReader, model: DeepSeekLM) -> None:
             log.warning("%s differs from %s; dstrain ties MTP embedding/head to the main ones", hf_key, key)
 
 
+@contextlib.contextmanager
+def tensors_beside(
+    cfg: ModelConfig, source: str | os.PathLike | None
+) -> Iterator[list[tuple[str, SafetensorsFile]]]:
+    """The tensors of a multimodal checkpoint that are not its text model's (vision tower, projector), each
+    with the file of `source`, the folder the text model came from, that holds it: for `save_hf_tensors` to
+    copy byte for byte. [] for a text model's own checkpoint."""
+    if cfg.wrapper is None:
+        yield []
+        return
+    if not source or not os.path.isdir(source):
+        kind = cfg.hf_source["outer"]["model_type"]
+        raise ValueError(
+            f"a {kind} folder's vision tower and projector are copied from the folder its text model came "
+            f"from, and {source!r} is not one"
+        )
+    with HFReader(source, cfg) as reader:
+        yield reader.others_in_files()
+
+
 def save_pretrained(
     model: DeepSeekLM,
     path: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    source: str | os.PathLike | None = None,
 ) -> None:
     """Write config.json, generation_config.json and safetensors (sharded with an index past max_shard_bytes)
-    in the official DeepSeek layout. The expert bias is always written in fp32."""
+    in the official DeepSeek layout. The expert bias is always written in fp32. The text model of a multimodal
+    checkpoint (Kimi-K2.5) is written inside it: its other tensors copied byte for byte from `source` (by
+    default the folder the model was loaded from), its config.json around the text model's."""
     dtype = parse_dtype(dtype)
-    save_hf_tensors(to_hf(model.state_dict().items(), model.config, dtype), path, max_shard_bytes)
-    write_hf_config(model.config, path, dtype or model.embed_tokens.weight.dtype)
+    cfg = model.config
+    with tensors_beside(cfg, source or (cfg.hf_source or {}).get("folder")) as copied:
+        save_hf_tensors(to_hf(model.state_dict().items(), cfg, dtype), path, max_shard_bytes, copied)
+    write_hf_config(cfg, path, dtype or model.embed_tokens.weight.dtype)

@@ -4,6 +4,8 @@ The folder is indexed up front (names and shapes only), so a wrong folder fails 
 Then each rank asks for exactly what it holds: a tensor-parallel slice along one dimension, a range of experts,
 or a flat range of elements (a ZeRO-3 partition); only those bytes are read from the files.
 `bytes_read` counts what was actually read, which is how tests check that no rank read the whole model.
+Quantized weights (DeepSeek's FP8 blocks, compressed-tensors' packed integers: QUANTIZED) are dequantized to
+fp32 as they are read; a multimodal checkpoint's tensors outside its text model are indexed, never read.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
@@ -30,13 +33,90 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tenso
     return weight.float() * scale
 
 
+def dequantize_packed(
+    packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """compressed-tensors' "pack-quantized" weights (Kimi-K2.5's INT4 routed experts): integers of `bits` bits
+    packed densely along the input dim into int32 words, low bits first, stored offset by 2**(bits-1); one
+    scale per group of input columns (a channel: one group); an asymmetric zero point packed the same way
+    along the output dim. -> the exact fp32 weight of `shape`."""
+    rows, cols = (int(n) for n in shape)
+    words = packed.shape[-1]
+    bits = 32 * words // cols
+    if bits not in (1, 2, 4, 8) or -(-cols * bits // 32) != words:
+        raise ValueError(f"{words} int32 words per row of {cols} integers: dstrain reads 1, 2, 4 or 8 bits")
+    group = -(-cols // scale.shape[-1])
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        return t.float().repeat_interleave(group, 1)[:, :cols]
+
+    q = _unpack(packed, bits, cols)
+    if zero_point is not None:
+        q = q - per_column(_unpack(zero_point.t(), bits, rows).t())
+    return q * per_column(scale)
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The first `n` integers of each row of int32 words (a word's low bits first: its bytes in order on a
+    little-endian host), as fp32 without the storage offset."""
+    octets = packed.contiguous().view(torch.uint8)
+    q = (octets.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8)) & (2**bits - 1)
+    return q.reshape(packed.shape[0], -1)[:, :n].float() - 2 ** (bits - 1)
+
+
+class Form(NamedTuple):
+    """How a file holds a weight `X.weight` quantized."""
+
+    parts: tuple[str, ...]
+    """Its tensors, by the suffix replacing `weight` ("weight": X.weight itself), in `dequantize`'s order."""
+    dequantize: Callable[..., torch.Tensor]
+    """The dense fp32 weight of the parts."""
+    optional: tuple[str, ...] = ()
+    """Parts it may have besides (passed after the others)."""
+
+
+# Quantized weights by the tensor that marks the form: the file holds it beside X.weight or instead of it.
+QUANTIZED: dict[str, Form] = {
+    # DeepSeek-V3's FP8: X.weight in float8_e4m3fn, one inverse scale per 128x128 block
+    "weight_scale_inv": Form(("weight", "weight_scale_inv"), dequantize_fp8),
+    # compressed-tensors' pack-quantized integers, in place of X.weight
+    "weight_packed": Form(
+        ("weight_packed", "weight_scale", "weight_shape"), dequantize_packed, ("weight_zero_point",)
+    ),
+}
+
+
+def form_of(parts: Iterable[str]) -> Form | None:
+    """The form (QUANTIZED) of a weight stored as these parts; None: one dstrain does not read (an unknown
+    part, e.g. compressed-tensors' activation-ordered `weight_g_idx`, or a missing one)."""
+    parts = set(parts)
+    for marker, form in QUANTIZED.items():
+        need = set(form.parts) - {"weight"}
+        if marker in parts and need <= parts <= need | set(form.optional):
+            return form
+    return None
+
+
+def packed_bits(cfg: ModelConfig) -> int:
+    """The width of compressed-tensors' packed integers, from the quantization_config (the text model's, or
+    that of the multimodal checkpoint around it): what a packed weight's shape is, from the file headers."""
+    outer = (cfg.hf_source or {}).get("outer") or {}
+    quant = cfg.extra.get("quantization_config") or outer.get("quantization_config") or {}
+    bits = {g["weights"]["num_bits"] for g in quant.get("config_groups", {}).values() if g.get("weights")}
+    if len(bits) != 1:
+        found = ", ".join(map(str, sorted(bits))) or "none"
+        raise ValueError(
+            f"packed weights need one num_bits in config.json's quantization_config, found {found}"
+        )
+    return int(bits.pop())
+
+
 class HFReader:
     """dstrain key -> the HF tensors holding it (several for fused experts), read lazily."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig, allow_unsafe_pickle: bool = False) -> None:
         self.path, self.cfg = str(path), cfg
         self.bytes_read = 0
-        self.total_bytes = 0
         self._handles: dict[str, Any] = {}
         self._pickled: dict[str, torch.Tensor] = {}
         self.files = checkpoint_files(self.path, allow_unsafe_pickle)
@@ -51,9 +131,19 @@ class HFReader:
         self.sources: dict[str, dict[tuple[int | None, int | None], str]] = {}
         self.shared: dict[str, str] = {}  # MTP copies of the embedding/head -> the dstrain key they copy
         self.unexpected: list[str] = []
+        self.quantized: dict[str, dict[str, str]] = {}  # X.weight -> {part: HF key} of its quantized form
+        # a multimodal checkpoint's tensors outside its text model (vision tower, projector): not read
+        self.others: list[str] = []
         for hf_key in self.files:
-            if hf_key.endswith(".weight_scale_inv"):
+            if not hf_key.startswith(cfg.hf_prefix):
+                self.others.append(hf_key)
                 continue
+            base, _, leaf = hf_key.rpartition(".")
+            if leaf.startswith("weight_"):  # a part of X.weight's quantized form
+                self.quantized.setdefault(f"{base}.weight", {})[leaf] = hf_key
+                if leaf not in QUANTIZED or "weight" in QUANTIZED[leaf].parts:
+                    continue
+                hf_key = f"{base}.weight"  # the form replaces X.weight: it stands for it
             try:
                 tgt = hf_to_dstrain(hf_key, cfg)
             except KeyError:
@@ -63,7 +153,8 @@ class HFReader:
                 self.shared[hf_key] = tgt.key
             else:
                 self.sources.setdefault(tgt.key, {})[(tgt.expert, tgt.half)] = hf_key
-                self.total_bytes += self._nbytes(hf_key)  # the model's bytes: MTP's copies are not read
+        # the model's bytes: MTP's copies are not read
+        self.total_bytes = sum(self._nbytes(k) for parts in self.sources.values() for k in parts.values())
 
     # ------------------------------------------------------------------ index
     def check(self, keys: list[str]) -> list[str]:
@@ -74,6 +165,8 @@ class HFReader:
             raise ValueError(
                 f"{p}: {len(self.unexpected)} tensors the config does not describe, e.g. {self.unexpected[0]}"
             )
+        for hf_key in self.quantized:  # each in a form dstrain reads
+            self._form(hf_key)
         partial = [k for k in keys if k in self.sources and len(self.sources[k]) < self._pieces(k)]
         if partial:
             raise ValueError(f"{p}: some experts of {partial[0]} are missing from the checkpoint")
@@ -101,8 +194,8 @@ class HFReader:
 
     # ------------------------------------------------------------------ reading
     def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The dstrain tensor `key`, or its [start:stop) slice along `dim`, in the checkpoint's dtype (FP8 is
-        dequantized to fp32)."""
+        """The dstrain tensor `key`, or its [start:stop) slice along `dim`, in the checkpoint's dtype (quantized
+        weights, QUANTIZED, dequantized to fp32)."""
         parts = self.sources[key]
         if (None, None) in parts:
             return self._read_one(parts[(None, None)], dim, start, stop)
@@ -136,6 +229,10 @@ class HFReader:
             flat = torch.cat([flat, flat.new_zeros(stop - end)])
         return flat
 
+    def others_in_files(self) -> list[tuple[str, SafetensorsFile]]:
+        """The tensors outside the model (`others`), each with the file holding it: for copying as they are."""
+        return [(k, self._handle(k)) for k in self.others]
+
     def read_shared_copies(self) -> dict[str, torch.Tensor]:
         """The MTP layers' own copies of the embedding and head, by HF key."""
         return {k: self._read_one(k) for k in self.shared}
@@ -168,29 +265,56 @@ class HFReader:
         return handle.entries[hf_key]
 
     def _shape(self, hf_key: str) -> tuple[int, ...]:
+        packed = self.quantized.get(hf_key, {}).get("weight_packed")
+        if packed is not None:  # from the headers: the words holding each row's integers
+            rows, words = self._stored_shape(packed)
+            try:
+                return (rows, words * 32 // packed_bits(self.cfg))
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: {exc}") from None
+        return self._stored_shape(hf_key)
+
+    def _stored_shape(self, hf_key: str) -> tuple[int, ...]:
         if hf_key in self._pickled:
             return tuple(self._pickled[hf_key].shape)
         return tuple(self._entry(hf_key)["shape"])
 
     def _dtype(self, key: str) -> torch.dtype:
         hf_key = next(iter(self.sources[key].values()))
-        return torch.float32 if hf_key + "_scale_inv" in self.files else self._raw_dtype(hf_key)
+        return torch.float32 if hf_key in self.quantized else self._raw_dtype(hf_key)
 
     def _nbytes(self, hf_key: str) -> int:
-        return math.prod(self._shape(hf_key)) * self._raw_dtype(hf_key).itemsize
+        """Bytes of the tensors holding HF weight `hf_key` (its quantized form's parts too)."""
+        keys = [*([hf_key] if hf_key in self.files else []), *self.quantized.get(hf_key, {}).values()]
+        return sum(math.prod(self._stored_shape(k)) * self._raw_dtype(k).itemsize for k in keys)
 
     def _read_one(
         self, hf_key: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        scale_key = hf_key + "_scale_inv"
-        if scale_key in self.files:  # FP8 blocks: dequantize whole, then slice
-            t = dequantize_fp8(self._raw(hf_key), self._raw(scale_key))
-            if dim is not None:
-                t = t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start).contiguous()
-            return t
-        if _FP8 is not None and self._raw_dtype(hf_key) == _FP8:
-            raise ValueError(f"{self.path}: FP8 tensor {hf_key} has no weight_scale_inv")
-        return self._raw(hf_key, dim, start, stop)
+        parts = self.quantized.get(hf_key)
+        if parts is None:
+            if _FP8 is not None and self._raw_dtype(hf_key) == _FP8:
+                raise ValueError(f"{self.path}: FP8 tensor {hf_key} has no weight_scale_inv")
+            return self._raw(hf_key, dim, start, stop)
+        form = self._form(hf_key)
+        keys = {**parts, "weight": hf_key}
+        t = form.dequantize(*(self._raw(keys[p]) for p in (*form.parts, *form.optional) if p in keys))
+        if tuple(t.shape) != self._shape(hf_key):
+            raise ValueError(
+                f"{self.path}: {hf_key} dequantizes to {tuple(t.shape)}, not {self._shape(hf_key)}"
+            )
+        if dim is not None:  # dequantized whole, then sliced
+            t = t.narrow(dim, start, (t.shape[dim] if stop is None else stop) - start).contiguous()
+        return t
+
+    def _form(self, hf_key: str) -> Form:
+        form = form_of(self.quantized[hf_key])
+        if form is None:
+            parts = ", ".join(sorted(self.quantized[hf_key]))
+            raise ValueError(
+                f"{self.path}: {hf_key} is stored as {parts}, a quantized form dstrain does not read"
+            )
+        return form
 
     def _raw_dtype(self, hf_key: str) -> torch.dtype:
         if hf_key in self._pickled:
@@ -250,6 +374,21 @@ class SafetensorsFile:
         shape[dim] = stop - start
         return out.view(dtype).reshape(shape)
 
+    def nbytes(self, key: str) -> int:
+        start, end = self.entries[key]["data_offsets"]
+        return end - start
+
+    def copy_to(self, key: str, out: BinaryIO, chunk: int = 64 * 1024**2) -> None:
+        """Write tensor `key`'s bytes as the file holds them."""
+        offset = self.base + self.entries[key]["data_offsets"][0]
+        left = self.nbytes(key)
+        while left:
+            data = os.pread(self.fd, min(chunk, left), offset)
+            if not data:
+                raise ValueError(f"{self.path}: truncated safetensors file (tensor data past its end)")
+            out.write(data)
+            offset, left = offset + len(data), left - len(data)
+
     def _bytes(self, offset: int, size: int) -> torch.Tensor:
         out = torch.empty(size, dtype=torch.uint8)
         self._read_into(out, offset)
@@ -266,6 +405,28 @@ class SafetensorsFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def write_raw(path: str, tensors: Sequence[tuple[str, SafetensorsFile]]) -> int:
+    """A safetensors file of tensors copied byte for byte from the files holding them: the same dtype (as the
+    header names it, whether torch has it or not), shape and bytes. -> bytes of tensor data."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    end = 0
+    for key, src in tensors:
+        entry = src.entries[key]
+        header[key] = {
+            "dtype": entry["dtype"],
+            "shape": entry["shape"],
+            "data_offsets": [end, end + src.nbytes(key)],
+        }
+        end += src.nbytes(key)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for key, src in tensors:
+            src.copy_to(key, f)
+    return end
 
 
 _SAFE_DTYPES: dict[str, torch.dtype] = {

@@ -24,6 +24,47 @@ KIMI_K2 = dict(
                   "original_max_position_embeddings": 4096, "type": "yarn"},
     bos_token_id=163584, eos_token_id=163585,
 )  # fmt: skip
+# moonshotai/Kimi-K2.5: a multimodal config.json around a Kimi-K2 text model (model_type kimi_k2 in
+# text_config; the architecture of K2 with 256K context: max_position_embeddings, YaRN factor 64, beta_fast 32,
+# rms_norm_eps 1e-5), whose routed experts are INT4 (the text_config's quantization_config: compressed-tensors
+# pack-quantized, symmetric groups of 32; attention, shared experts, the dense FFN and the head stay bf16);
+# vision_config describes the MoonViT tower (27 blocks of 1152) and the projector, in Moonshot's own field
+# names. As transformers 5.7 prints the hub file and vLLM's KimiK25Config reads it (which hoists
+# text_config.quantization_config to the top); 1T total / 32B active per the model card.
+KIMI_K25_QUANTIZATION = dict(
+    config_groups={"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                   "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+                               "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                               "symmetric": True, "type": "int"}}},
+    format="pack-quantized", kv_cache_scheme=None, quant_method="compressed-tensors",
+    quantization_status="compressed",
+    ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+)  # fmt: skip
+KIMI_K25 = dict(
+    architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25", bos_token_id=163584,
+    eos_token_id=163585, pad_token_id=163839, dtype="bfloat16", ignore_index=-100,
+    media_placeholder_token_id=163605, tie_word_embeddings=False, use_unified_vision_chunk=True,
+    video_placeholder="<|kimi_k25_video_placeholder|>",
+    auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+              "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+              "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+    text_config=KIMI_K2 | dict(
+        max_position_embeddings=262144, rms_norm_eps=1e-5, pad_token_id=163839,
+        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        quantization_config=KIMI_K25_QUANTIZATION,
+    ),
+    vision_config=dict(
+        init_pos_emb_height=64, init_pos_emb_time=4, init_pos_emb_width=64, merge_kernel_size=[2, 2],
+        merge_type="sd2_tpool", mm_hidden_size=1152, mm_projector_type="patchmerger", patch_size=14,
+        pos_emb_type="divided_fixed", projector_hidden_act="gelu", projector_ln_eps=1e-05, text_hidden_size=7168,
+        video_attn_type="spatial_temporal", vt_hidden_size=1152, vt_intermediate_size=4304,
+        vt_num_attention_heads=16, vt_num_hidden_layers=27,
+    ),
+)  # fmt: skip
 # deepseek-ai/DeepSeek-V3.2 (V3.2-Exp has the same architecture): DeepSeek's inference config
 # (config_671B_v3.2.json) in Hugging Face names; GLM-5 (zai-org/GLM-5, all layers with their own indexer).
 DEEPSEEK_V32 = dict(
@@ -138,6 +179,7 @@ def test_v2_scoring_must_be_softmax():
         ("deepseek-v2-lite", 15.7e9, 2.4e9, False),
         (MOONLIGHT, 16e9, 3e9, True),  # "16B total, 3B activated": Moonshot counts the embedding
         (KIMI_K2, 1.04e12, 32e9, False),  # "1.04T total, 32B activated"
+        (KIMI_K25, 1.04e12, 32e9, False),  # its text model: K2's (the 0.4B vision tower is not trained)
         (DEEPSEEK_V32, 671e9, 37e9, False),  # V3.2 = V3 + the indexers (0.85B)
         (GLM_5, 744e9, 40e9, False),  # GLM-5 README: "744B parameters (40B active)"
     ],
