@@ -1,9 +1,10 @@
 """DeepSeek-V3/V2 model: plain single-device PyTorch (no torch.distributed here; see dstrain.parallel)."""
 
-from .config import PRESETS, ModelConfig, get_config
+from .config import ModelConfig
 from .flops import flops_per_token, param_counts
 from .loading import build_model, from_pretrained, parse_dtype, save_pretrained
 from .model import DeepSeekLM, ModelOutput, combine_losses, kernel_paths
+from .presets import PRESETS, get_config
 
 __all__ = [
     "PRESETS",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .config import ModelConfig, get_config
+from .config import ModelConfig
+from .presets import get_config
 
 
 def _attention_params(cfg: ModelConfig) -> int:

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .config import ModelConfig, get_config
+from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
 from .lora import is_lora_key
 from .model import DeepSeekLM, is_expert_bias
+from .presets import get_config
 from .reader import HFReader, SafetensorsFile
 
 log = logging.getLogger(__name__)
