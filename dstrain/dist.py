@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -97,6 +100,46 @@ def _fill_env() -> None:
         env["MASTER_PORT"] = str(free_port())
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, read without CUDA (None where there is no NVIDIA driver)."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            line = f.readline()
+        return next((w for w in line.split() if w[:1].isdigit() and "." in w), line.strip())
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+            return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return None
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU this machine exposes, whatever torch makes of it."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or driver_version() is not None
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA does not start where a GPU is present (gpu_readiness N2); None when it starts or there is no
+    GPU."""
+    if not gpu_present() or os.environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    built = torch.version.cuda
+    if built is None:
+        return (f"an NVIDIA GPU is present but torch {torch.__version__} is a CPU build: install a CUDA wheel, "
+                "e.g. pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+    if not torch.cuda.is_available():
+        return (f"an NVIDIA GPU is present (driver {driver_version() or 'unknown'}) but CUDA {built} of torch "
+                f"{torch.__version__} does not start: a wheel for a newer driver (CUDA 13 needs driver >= 580), "
+                "or CUDA_VISIBLE_DEVICES hides every GPU; install the wheel of your driver's CUDA "
+                "(--index-url https://download.pytorch.org/whl/cu128 or cu126)")  # fmt: skip
+    return None
+
+
 def pick_accelerator() -> str:
     """'cuda' or 'cpu'. DS_ACCELERATOR=cpu is honoured before CUDA is touched at all: a visible GPU changes
     nothing of a CPU run (precision, overlap, pinning, rank to device). Otherwise CUDA when a GPU is visible:
@@ -108,6 +151,9 @@ def pick_accelerator() -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         local_cuda_device()
         return os.environ.get("DS_ACCELERATOR", "cuda")
+    problem = cuda_problem()
+    if problem:  # training on the CPU of a GPU machine without a word would be worse than stopping
+        raise UserError(f"{problem} (DS_ACCELERATOR=cpu runs on the CPU on purpose)")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return "cpu"
 

@@ -7,15 +7,13 @@ matmul peak MFU is measured against. Exit 0 when a run can start, 1 with the rea
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.metadata
 import os
-import shutil
-import subprocess
 
 import torch
 
 from dstrain.cmdline import command_parser
+from dstrain.dist import cuda_problem, driver_version
 from dstrain.errors import UserError
 
 
@@ -28,46 +26,6 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def _driver() -> str | None:
-    """The NVIDIA driver's version, read without CUDA (None where there is no NVIDIA driver)."""
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            line = f.readline()
-        return next((w for w in line.split() if w[:1].isdigit() and "." in w), line.strip())
-    except OSError:
-        pass
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)  # fmt: skip
-            return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-    return None
-
-
-def gpu_present() -> bool:
-    """An NVIDIA GPU this machine exposes, whatever torch makes of it."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or _driver() is not None
-
-
-def cuda_problem() -> str | None:
-    """Why CUDA does not start where a GPU is present (gpu_readiness N2); None when it starts or there is no
-    GPU."""
-    if not gpu_present() or os.environ.get("DS_ACCELERATOR") == "cpu":
-        return None
-    built = torch.version.cuda
-    if built is None:
-        return (f"an NVIDIA GPU is present but torch {torch.__version__} is a CPU build: install a CUDA wheel, "
-                "e.g. pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
-    if not torch.cuda.is_available():
-        return (f"an NVIDIA GPU is present (driver {_driver() or 'unknown'}) but CUDA {built} of torch "
-                f"{torch.__version__} does not start: a wheel for a newer driver (CUDA 13 needs driver >= 580), "
-                "or CUDA_VISIBLE_DEVICES hides every GPU; install the wheel of your driver's CUDA "
-                "(--index-url https://download.pytorch.org/whl/cu128 or cu126)")  # fmt: skip
-    return None
 
 
 def _deepspeed_ops() -> str:
@@ -95,7 +53,7 @@ def report() -> tuple[list[str], str | None]:
         f"python {'.'.join(map(str, __import__('sys').version_info[:3]))}, torch {torch.__version__} "
         f"(CUDA build {torch.version.cuda or 'none'}), deepspeed {_version('deepspeed')}, "
         f"transformers {_version('transformers')}, dstrain {_version('dstrain')}",
-        f"NVIDIA driver: {_driver() or 'none found'}",
+        f"NVIDIA driver: {driver_version() or 'none found'}",
     ]
     problem = cuda_problem()
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"

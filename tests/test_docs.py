@@ -189,14 +189,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RUN_DIRS: dict[str, Path] = {}
+
+
 @pytest.mark.parametrize("code", RUNNABLE)
-def test_runnable_block(code, tmp_path):
+def test_runnable_block(code, request, tmp_path_factory):
+    # One $TMP_RUN per document, its blocks run in order: a later block may use an earlier one's run, as a
+    # reader following the document would.
+    doc = request.node.callspec.id.split(":")[0]
+    run_dir = _RUN_DIRS.setdefault(doc, tmp_path_factory.mktemp(doc.replace(".", "_")))
     env = {
         **os.environ,
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        "TMP_RUN": str(tmp_path),
+        "TMP_RUN": str(run_dir),
         "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1"
+        if RANKS.search(code)
+        else "2",  # ranks share the 2 cores; one process has both
         "MASTER_PORT": str(free_port()),
     }
     proc = subprocess.Popen(

@@ -179,12 +179,11 @@ def test_env_says_a_run_can_start(capsys):
 def test_env_says_why_cuda_does_not_start_where_a_gpu_is(build, message, monkeypatch, capsys):
     """A GPU present (a device node, a driver) but no CUDA: a CPU wheel, or a CUDA 13 wheel on an older
     driver. dstrain would train on the CPU without a word; `dstrain env` exits 1 naming the cause (N2)."""
-    import dstrain.env as env
     from dstrain.cli import main
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    monkeypatch.setattr(env, "gpu_present", lambda: True)
-    monkeypatch.setattr(env, "_driver", lambda: "535.104.05")
+    monkeypatch.setattr(dist, "gpu_present", lambda: True)
+    monkeypatch.setattr(dist, "driver_version", lambda: "535.104.05")
     monkeypatch.setattr(torch.version, "cuda", build)
     assert main(["env"]) == 1
     err = capsys.readouterr().err
@@ -201,3 +200,11 @@ def test_smoke_trains_packed_rows_on_the_cuda_branch(monkeypatch, capsys):
     assert main(["smoke", "--device", "cpu", "--precision", "bf16", "--steps", "2", "--seq_len", "32"]) == 0
     out = capsys.readouterr().out
     assert "CPU reference of the varlen kernels" in out and out.count("step ") == 2
+
+
+def test_training_on_a_gpu_machine_where_cuda_does_not_start_stops_in_one_line(monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(dist, "gpu_present", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(UserError, match="does not start.*DS_ACCELERATOR=cpu runs on the CPU on purpose"):
+        dist.pick_accelerator()

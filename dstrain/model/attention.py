@@ -194,6 +194,7 @@ def attention_layout(
         return AttentionLayout(causal_only=False, doc=doc)
     flat = starts.flatten().nonzero().flatten()
     cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
+    torch._dynamo.maybe_mark_dynamic(cu, 0)  # the document count changes every batch: no recompile per count
     # max_seqlen: the row length bounds every document; a constant keeps torch.compile from recompiling per
     # batch (a new value each time), and needs no host read of the lengths
     return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=seq)

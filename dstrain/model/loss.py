@@ -35,6 +35,14 @@ def ce_chunk(
     return loss, grad.mul_(valid.to(grad.dtype).unsqueeze(1))
 
 
+def _weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """grad^T h, fp32 out on a GPU (its bf16 GEMM accumulates in fp32: no rounding of the result); elsewhere
+    in the compute dtype of `kernels.linear`."""
+    if h.device.type == "cuda" and h.dtype != torch.float32:
+        return torch.mm(grad.t(), h, out_dtype=torch.float32)
+    return linear(grad.t(), h.t())
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, valid, chunk_fn):  # noqa: ANN001, ANN205
@@ -42,7 +50,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = max(CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
         total = h.new_zeros((), dtype=torch.float32)
         dh = torch.empty_like(h) if want_h else None
-        dw = torch.zeros_like(weight) if want_w else None
+        # The weight's gradient sums every chunk's: in fp32 where there are several, as autograd's one GEMM
+        # would accumulate (a bf16 sum would round once per chunk: 16-64 times per micro batch)
+        chunks = -(-h.shape[0] // rows)
+        dw = torch.zeros_like(weight, dtype=torch.float32 if chunks > 1 else weight.dtype) if want_w else None
         for s in range(0, h.shape[0], rows):
             hc = h[s : s + rows]
             loss, grad = chunk_fn(
@@ -51,11 +62,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += loss
             if want_h:
                 dh[s : s + rows] = linear(grad, weight.t())
-            if want_w and compute_dtype(hc) == hc.dtype:
+            if want_w and dw.dtype == hc.dtype and compute_dtype(hc) == hc.dtype:
                 dw.addmm_(grad.t(), hc)
-            elif want_w:  # a CPU without native bf16: the fp32 kernel, as kernels.linear does
-                dw.add_(linear(grad.t(), hc.t()))
-        ctx.save_for_backward(dh, dw)
+            elif want_w:  # the chunk's product in the compute dtype (fp32 out on GPUs), summed in dw's
+                dw.add_(_weight_grad(grad, hc))
+        ctx.save_for_backward(dh, dw.to(weight.dtype) if dw is not None else None)
         return total
 
     @staticmethod
