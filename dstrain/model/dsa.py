@@ -146,8 +146,7 @@ def index_pass(
         e = min(s + rows, t)
         c = e - s
         raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf[:, :e].transpose(1, 2))
-        raw = raw.view(b, c, heads, e).mul_(scale)
-        act = raw.relu()
+        act = raw.view(b, c, heads, e).mul_(scale).relu_()  # act > 0 exactly where the score was
         index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
         valid = _valid(s, e, doc, b, dev).expand(b, c, e)
         index = index.masked_fill(~valid, float("-inf"))
@@ -178,15 +177,18 @@ def index_pass(
         if chosen is not None and not target.sparse:
             stats[2] += (p * chosen).sum(dtype=torch.float64)
             stats[3] += b * c
-        if grads:
-            d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)  # d KL / d I
-            if keys is not None:
-                d_index = torch.zeros(b, c, e, dtype=work, device=dev).index_copy_(-1, keys, d_index)
-            dw[:, s:e] = torch.matmul(act, d_index.unsqueeze(-1)).squeeze(-1)
-            d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (raw > 0) * scale
-            d_raw = d_raw.view(b, c * heads, e)
-            dq[:, s:e] = torch.matmul(d_raw, kf[:, :e]).view(b, c, heads, dim)
-            dk[:, :e] += torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
+        if grads:  # d KL / d I is 0 off the support: the chain to q, k and w only over the keys scored
+            d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)
+            act_k = act if keys is None else act[..., keys]
+            dw[:, s:e] = torch.matmul(act_k, d_index.unsqueeze(-1)).squeeze(-1)
+            d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (act_k > 0) * scale
+            d_raw = d_raw.view(b, c * heads, -1)
+            dq[:, s:e] = torch.matmul(d_raw, kf[:, cols]).view(b, c, heads, dim)
+            d_keys = torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
+            if keys is None:
+                dk[:, :e] += d_keys
+            else:
+                dk.index_add_(1, keys, d_keys)
     out_grads = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
     return PassResult(selection, stats, out_grads)
 
