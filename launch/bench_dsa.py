@@ -37,6 +37,7 @@ from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.memory.measure import AllocationTracker  # noqa: E402
 from dstrain.model import DeepSeekLM, ModelConfig  # noqa: E402
 from dstrain.model.attention import attention_layout  # noqa: E402
+from dstrain.model.init import init_weights  # noqa: E402
 from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
 
 STAGES = ("dense MLA", "DSA dense stage", "DSA sparse stage")
@@ -86,11 +87,11 @@ def locality_prior(model: DeepSeekLM) -> None:
 
 def models(topk: int, indexer: str) -> dict[str, DeepSeekLM]:
     dense = DeepSeekLM(config(topk, sparse=False))
-    dense.init_weights(torch.Generator().manual_seed(0))
+    init_weights(dense, 0)
     out = {"dense MLA": dense.train()}
     for stage in ("dense", "sparse"):
         m = DeepSeekLM(config(topk, sparse=True))
-        m.init_weights(torch.Generator().manual_seed(0))
+        init_weights(m, 0)
         if indexer == "local":
             locality_prior(m)
         m.load_state_dict(dense.state_dict(), strict=False)  # the same model, plus the indexers

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dstrain.errors import CheckpointError
-from dstrain.model.loading import local_tensors
+from dstrain.model.init import local_tensors
 
 from .weights import MOMENTS, iter_weights, link_moments, local_slice, moments_dir, weights_index
 
@@ -70,7 +70,8 @@ def load_resharded(engine: Any, model: nn.Module, path: Path, progress: dict[str
     if adam_step > 0 and trained:
         if not (path / moments_dir(MOMENTS[0])).is_dir():
             raise CheckpointError(
-                f"checkpoint {path}: no optimizer/ moments (written before dstrain saved them)"
+                f"checkpoint {path}: no layout-free AdamW moments (saved with --no-save_moments, or by "
+                "an older dstrain): it resumes on its own layout only"
             )
         _create_state(engine.optimizer, base)
         for key in MOMENTS:

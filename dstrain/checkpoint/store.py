@@ -256,9 +256,11 @@ def save(
     *,
     model: Any,
     groups: Any = None,
+    moments: bool = True,
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder (complete on return). The model's HF
-    config.json is written beside the weights so a checkpoint describes itself."""
+    config.json is written beside the weights so a checkpoint describes itself. `moments`: also AdamW's
+    moments layout-free (what resuming on another layout needs)."""
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
     path = root / tag
@@ -272,7 +274,8 @@ def save(
     with _plain_module_files(engine):
         engine.save_checkpoint(str(root), tag=tag, client_state={"dstrain_step": step}, save_latest=False)
     stepped = state.get("progress", {}).get("adam_step", 0) > 0  # AdamW has moments after its first update
-    save_weights(model, path, rank=rank, groups=groups, optimizer=engine.optimizer if stepped else None)
+    optimizer = engine.optimizer if stepped and moments else None
+    save_weights(model, path, rank=rank, groups=groups, optimizer=optimizer)
     save_lora_settings(model, path, rank)
     (path / STATE_DIR).mkdir(parents=True, exist_ok=True)
     write_json(path / STATE_DIR / f"rank_{rank:05d}.json", state)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dstrain.model.loading import local_tensors, shard_of
+from dstrain.model.init import local_tensors, shard_of
 
 WEIGHTS_DIR = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, the one optimizer dstrain runs
@@ -65,14 +65,31 @@ def _full_fp32(
     return (value if value is not None else param.detach()).float().cpu()
 
 
-def _writes(name: str, tensor: torch.Tensor, groups: Any, rank: int) -> bool:
-    if groups is None:
-        return rank == 0
-    if groups.tp_rank != 0 and not hasattr(tensor, "tp_shard"):
-        return False
-    if hasattr(tensor, "ep_shard"):
-        return groups.edp_rank == 0
-    return groups.dp_rank == 0
+class _Writers:
+    """Which rank writes each tensor: one rank of the group that holds the same copy (data-parallel; for an
+    expert-parallel slice, the ranks holding the same experts; a TP-replicated tensor: TP rank 0's group),
+    chosen by bytes so far, fewest first. Every member of a group walks the same tensors in the same order, so
+    they agree without talking, and the writes (weights and moments: 3 x the fp32 model) spread over the
+    group instead of landing on one rank."""
+
+    def __init__(self, groups: Any, rank: int, world: int) -> None:
+        self.groups, self.rank, self.world = groups, rank, world
+        self.bytes: dict[str, list[int]] = {}
+
+    def writes(self, tensor: torch.Tensor) -> bool:
+        g = self.groups
+        if g is None:
+            kind, me, size = "dp", self.rank, self.world
+        elif g.tp_rank != 0 and not hasattr(tensor, "tp_shard"):
+            return False
+        elif hasattr(tensor, "ep_shard"):
+            kind, me, size = "edp", g.edp_rank, g.dims.dp // g.dims.ep
+        else:
+            kind, me, size = "dp", g.dp_rank, g.dims.dp
+        load = self.bytes.setdefault(kind, [0] * size)
+        owner = min(range(size), key=load.__getitem__)
+        load[owner] += getattr(tensor, "ds_numel", tensor.numel())  # ZeRO-3: the whole tensor's
+        return me == owner
 
 
 class _Folder:
@@ -127,7 +144,10 @@ def save_weights(
 ) -> None:
     """Collective: every rank calls it, with the same parameter order within each data-parallel group.
     `optimizer` (DeepSpeed's, once it has stepped): also write the moments of the trained parameters."""
+    import torch.distributed as tdist
+
     path = Path(path)
+    writers = _Writers(groups, rank, tdist.get_world_size() if tdist.is_initialized() else 1)
     weights = _Folder(path / WEIGHTS_DIR, rank, max_shard_bytes)
     moments = {k: _Folder(path / moments_dir(k), rank, max_shard_bytes) for k in MOMENTS} if optimizer else {}
     base = getattr(optimizer, "optimizer", optimizer)  # torch's AdamW under DeepSpeed's wrapper
@@ -136,7 +156,7 @@ def save_weights(
     for name, tensor in local_tensors(model, adapters=True):
         if tensor.device.type == "meta":  # another pipeline stage's layer
             continue
-        writes = _writes(name, tensor, groups, rank)
+        writes = writers.writes(tensor)
         if isinstance(tensor, nn.Parameter):
             value = _full_fp32(tensor, keep=writes)
         else:

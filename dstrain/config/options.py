@@ -169,6 +169,10 @@ class CheckpointOptions:
     """Save a checkpoint every N optimizer steps (0: only at the end). The last step is always saved."""
     keep_last: int = 3
     """Keep the newest N complete checkpoints and delete older ones (0: keep all)."""
+    save_moments: bool = True
+    """Also save AdamW's two moments layout-free (beside the weights), so that a checkpoint resumes on another
+    layout with its optimizer state. --no-save_moments: each save writes 1 x the fp32 model there instead of
+    3 x, and the checkpoint resumes on its own layout only (DeepSpeed's files hold the moments for that)."""
 
     def __post_init__(self) -> None:
         _check(self, non_negative=("save_every", "keep_last"))

@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import zlib
 from collections.abc import Iterator
 
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
-from .lora import is_lora_key
+from .init import FreshWeights, copy_into, held_device, init_weights, local_tensors
 from .model import DeepSeekLM, is_expert_bias
 from .presets import get_config
 from .reader import HFReader, SafetensorsFile
@@ -40,18 +39,15 @@ def build_model(
     seed: int | None = None,
     init: bool = True,
 ) -> DeepSeekLM:
-    """Construct on the meta device (no memory), materialise on `device`, then `init_weights()`."""
+    """Construct on the meta device (no memory), materialise on `device`, then `init_weights` (seed None: one
+    drawn from torch's global generator)."""
     cfg = get_config(config)
     with torch.device("meta"):
         model = DeepSeekLM(cfg)
     model.to_empty(device=device)
     model.tie_weights()
     if init:
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-        model.init_weights(gen)
+        init_weights(model, seed)
     dtype = parse_dtype(dtype)
     if dtype is not None:
         model.to(dtype)
@@ -88,54 +84,19 @@ def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtyp
                 table[name] = done[id(t)]
 
 
-def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, rank, size) of a tensor- or expert-parallel slice, None for a whole tensor."""
-    return getattr(t, "tp_shard", None) or getattr(t, "ep_shard", None)
-
-
-def local_tensors(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """The weights a checkpoint holds: parameters and the expert bias; LoRA adapters only when asked (a
-    Hugging Face folder has none)."""
-    out = [(n, p) for n, p in model.named_parameters() if adapters or not is_lora_key(n)]
-    return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n)]
-
-
-def fresh_init_(name: str, t: torch.Tensor, std: float, seed: int, part: str = "") -> None:
-    """A tensor the checkpoint lacks, initialised as `init_weights` would, from a generator seeded by the
-    name and shard (`part` names a ZeRO-3 partition), so replicated copies on different ranks agree without
-    communication."""
-    if is_expert_bias(name) or name.endswith(".bias"):
-        t.zero_()
-    elif name.endswith("norm.weight"):
-        t.fill_(1.0)
-    else:
-        gen = torch.Generator(device=t.device)
-        gen.manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}{shard_of(t)}{part}".encode())) % 2**63)
-        t.normal_(0.0, std, generator=gen)
-
-
 @torch.no_grad()
-def fill_from_hf(model: DeepSeekLM, reader: HFReader, seed: int = 0) -> list[str]:
+def fill_from_hf(model: DeepSeekLM, reader: HFReader, seed: int = 0) -> FreshWeights:
     """Copy each local tensor of `model` (not on meta: another pipeline stage's; a `tp_shard`/`ep_shard`
     slice reads only that slice) from the checkpoint. Missing MTP modules start fresh (with a warning), a
-    missing expert bias at zero. -> the keys that were missing."""
+    missing expert bias at zero. -> the fresh values' source (its `bytes_drawn`: what started fresh)."""
     cfg = model.config
     missing = check_folder(reader, cfg)
+    fresh = FreshWeights.of(cfg, seed, held_device(model))
     for name, t in local_tensors(model):
-        if t.is_meta:
-            continue
-        if name in missing:
-            fresh_init_(name, t, cfg.initializer_range, seed)
-            continue
-        shard = shard_of(t)
-        if shard is None:
-            t.copy_(reader.read(name))
-        else:
-            dim, rank, size = shard
-            part = t.shape[dim]
-            t.copy_(reader.read(name, dim, rank * part, (rank + 1) * part))
+        if not t.is_meta:
+            copy_into(t, fresh if name in missing else reader, name)
     warn_fresh_mtp(reader.path, cfg, missing)
-    return missing
+    return fresh
 
 
 def check_folder(reader: HFReader, cfg: ModelConfig) -> list[str]:

@@ -7,9 +7,6 @@ run as grouped GEMMs with no host sync (experts.py).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -376,38 +373,7 @@ class DeepSeekLM(nn.Module):
         self.activation_checkpointing = "none"
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
-    # -------------------------------------------------------------- init and balancing
-    @torch.no_grad()
-    def init_weights(
-        self,
-        generator: torch.Generator | None = None,
-        gather: Callable[[nn.Module], AbstractContextManager] | None = None,
-    ) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and the expert bias.
-        `gather(module)` is entered around each module's initialisation: DeepSpeed's GatheredParameters, so
-        that a model partitioned by ZeRO-3 initialises one whole module at a time, with the same values."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            with gather(module) if gather is not None else contextlib.nullcontext():
-                self._init_module(module, std, generator)
-
-    @staticmethod
-    def _init_module(module: nn.Module, std: float, generator: torch.Generator | None) -> None:
-        if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            module.bias.zero_()
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, std, generator=generator)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-        elif isinstance(module, (Router, Experts)):
-            for p in module.parameters(recurse=False):
-                p.normal_(0.0, std, generator=generator)
-            if isinstance(module, Router) and module.e_score_correction_bias is not None:
-                module.e_score_correction_bias.zero_()
-
+    # -------------------------------------------------------------- ties and balancing
     def tie_weights(self) -> None:
         """Re-tie after anything that replaces Parameters (`to_empty` from the meta device does)."""
         if self.config.tie_word_embeddings:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
@@ -109,6 +110,29 @@ def packed_bits(cfg: ModelConfig) -> int:
             f"packed weights need one num_bits in config.json's quantization_config, found {found}"
         )
     return int(bits.pop())
+
+
+def flat_range(
+    read: Callable[..., torch.Tensor],
+    shape: Sequence[int],
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Elements [start, stop) of a flattened tensor of `shape`, zero-padded past its end, from
+    `read(dim, start, stop)` of only the dim-0 rows the range touches (`read()`: a 0-d tensor whole)."""
+    numel = math.prod(shape)
+    row = numel // shape[0] if shape else 1
+    end = min(stop, numel)
+    if start >= end:
+        return torch.zeros(stop - start, dtype=dtype, device=device)
+    r0, r1 = start // row, -(-end // row)
+    flat = read(0, r0, r1).reshape(-1) if shape else read().reshape(-1)
+    flat = flat[start - r0 * row : end - r0 * row]
+    if end < stop:
+        flat = torch.cat([flat, flat.new_zeros(stop - end)])
+    return flat
 
 
 class HFReader:
@@ -216,18 +240,7 @@ class HFReader:
     def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor (a ZeRO-3 partition), zero-padded past its end.
         Reads only the dim-0 rows (or experts) the range touches."""
-        shape = self.full_shape(key)
-        numel = math.prod(shape)
-        row = numel // shape[0] if shape else 1
-        end = min(stop, numel)
-        if start >= end:
-            return torch.zeros(stop - start, dtype=self._dtype(key))
-        r0, r1 = start // row, -(-end // row)
-        flat = self.read(key, 0, r0, r1).reshape(-1) if shape else self.read(key).reshape(-1)
-        flat = flat[start - r0 * row : end - r0 * row]
-        if end < stop:
-            flat = torch.cat([flat, flat.new_zeros(stop - end)])
-        return flat
+        return flat_range(partial(self.read, key), self.full_shape(key), start, stop, self._dtype(key))
 
     def others_in_files(self) -> list[tuple[str, SafetensorsFile]]:
         """The tensors outside the model (`others`), each with the file holding it: for copying as they are."""

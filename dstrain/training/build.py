@@ -3,10 +3,13 @@ folder so that no rank holds more of it than it trains.
 
 - ZeRO-3: built under DeepSpeed's partitioned init (each module's weights are split across ranks as soon as
   it is constructed), then each rank copies in its own flat partition of every tensor, reading only the rows
-  that partition covers; a fresh model is initialised one gathered module at a time, as `build_model` would.
+  that partition covers.
 - Pipeline / tensor / expert parallel: built on the meta device, parallelised there, and only what this rank
   keeps gets memory; each rank reads its stages' layers and its TP/EP slices.
 - ZeRO-0/1/2 data parallel keeps the whole model on every rank by design; the model is read once per rank.
+
+A fresh model takes the same paths, with `FreshWeights` (dstrain.model.init) in place of the folder: each
+tensor's values come from a generator of its own, so every layout starts from one process's values.
 """
 
 from __future__ import annotations
@@ -21,15 +24,9 @@ import torch
 from torch import nn
 
 from dstrain.config.plan import RunPlan
-from dstrain.model import DeepSeekLM, ModelConfig, build_model
-from dstrain.model.loading import (
-    check_folder,
-    fill_from_hf,
-    fresh_init_,
-    local_tensors,
-    materialize,
-    warn_fresh_mtp,
-)
+from dstrain.model import DeepSeekLM, ModelConfig
+from dstrain.model.init import FreshWeights, init_weights, local_tensors
+from dstrain.model.loading import check_folder, fill_from_hf, materialize, warn_fresh_mtp
 from dstrain.model.lora import init_adapters
 from dstrain.model.reader import HFReader
 from dstrain.parallel.pipe import Objective
@@ -64,27 +61,22 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
     with PeakRSS() as peak, contextlib.ExitStack() as stack:
         if reader is not None:
             stack.enter_context(reader)
-        if plan.stage == 3 and reader is not None:  # partitioned from the start: no rank holds it whole
-            model = _zero3_from_hf(cfg, reader, plan.ds, seed)
-        elif plan.stage == 3:
-            model = _zero3_fresh(cfg, plan.ds, seed, device)
-        elif reader is not None:
+        if plan.stage == 3:  # partitioned from the start: no rank holds it whole
+            model, fresh = _zero3(cfg, reader, plan.ds, seed, device)
+        else:
             with torch.device("meta"):  # this rank's tensors get memory once parallelised
                 model = DeepSeekLM(cfg)
-        else:
-            model = build_model(cfg, device=device, dtype=torch.float32, seed=seed)
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
-        if reader is None:
-            return built
         if plan.stage != 3:
             if not plan.dims.model_parallel:
                 materialize(model, device)
-            fill_from_hf(model, reader, seed)
+            fresh = fill_from_hf(model, reader, seed) if reader is not None else init_weights(model, seed)
             init_adapters(model, seed)
-        built.load = {"bytes_read": reader.bytes_read, "checkpoint_bytes": reader.total_bytes}
-    built.load["peak_rss_growth"] = peak.growth
+    built.load = {"bytes_drawn": fresh.bytes_drawn, "peak_rss_growth": peak.growth}
+    if reader is not None:
+        built.load |= {"bytes_read": reader.bytes_read, "checkpoint_bytes": reader.total_bytes}
     return built
 
 
@@ -110,37 +102,26 @@ def _parallel(
 
 
 @torch.no_grad()
-def _zero3_fresh(cfg: ModelConfig, ds: dict[str, Any], seed: int, device: torch.device) -> DeepSeekLM:
-    """Built under DeepSpeed's partitioned init, then initialised one whole module at a time (gathered, set
-    by rank 0, partitioned again) in the order of `build_model(cfg, seed=seed)`: the same values in fp32;
-    in bf16 the partitions are bf16 from the start, so the values are sampled in bf16."""
-    import deepspeed
-
-    with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
-        model = DeepSeekLM(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def gather(module: nn.Module) -> Any:
-        return deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0)
-
-    model.init_weights(gen, gather=gather)
-    return model
-
-
-@torch.no_grad()
-def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed: int) -> DeepSeekLM:
+def _zero3(
+    cfg: ModelConfig, reader: HFReader | None, ds: dict[str, Any], seed: int, device: torch.device
+) -> tuple[DeepSeekLM, FreshWeights]:
+    """Built under DeepSpeed's partitioned init; then each rank copies in its own flat partition of every
+    tensor, reading only the rows that partition covers, from the folder or (what the folder lacks, everything
+    for a fresh model) from the fresh values."""
     import deepspeed
     import torch.distributed as tdist
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     NVME = OffloadDeviceEnum.nvme  # noqa: N806
 
-    with deepspeed.zero.Init(config_dict_or_path=ds):
+    with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
         model = DeepSeekLM(cfg)
-    missing = check_folder(reader, cfg)
+    missing = check_folder(reader, cfg) if reader is not None else None
+    fresh = FreshWeights.of(cfg, seed, device)
     for name, t in local_tensors(model):
+        source = fresh if reader is None or name in missing else reader
         if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated
-            t.copy_(reader.read(name)) if name not in missing else t.zero_()
+            t.copy_(source.read(name))
             continue
         part = t.ds_tensor
         if (
@@ -150,18 +131,13 @@ def _zero3_from_hf(cfg: ModelConfig, reader: HFReader, ds: dict[str, Any], seed:
             # hierarchical partitions or NVMe offload: let DeepSpeed spread one rank's whole copy
             with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
                 if tdist.get_rank() == 0:
-                    if name in missing:
-                        fresh_init_(name, t.data, cfg.initializer_range, seed)
-                    else:
-                        t.data.copy_(reader.read(name))
+                    t.data.copy_(source.read(name))
             continue
         start = tdist.get_rank(group=t.ds_process_group) * part.numel()
-        if name in missing:
-            fresh_init_(name, part.data, cfg.initializer_range, seed, part=str(start))
-        else:
-            part.data.copy_(reader.read_flat(name, start, start + part.numel()))
-    warn_fresh_mtp(reader.path, cfg, missing)
-    return model
+        part.data.copy_(source.read_flat(name, start, start + part.numel()))
+    if reader is not None:
+        warn_fresh_mtp(reader.path, cfg, missing)
+    return model, fresh
 
 
 class PeakRSS:

@@ -122,7 +122,7 @@ def _train(plan: RunPlan) -> int:
         say(f"dstrain: resuming from {resume}")
     trainer = Trainer(plan, info, resume_path=resume)
     trainer.setup()
-    if trainer.load_stats:
+    if "bytes_read" in trainer.load_stats:  # loaded from a folder (a fresh model has only bytes_drawn)
         ls = trainer.load_stats
         say(
             f"dstrain: loaded {model}: rank 0 read {size(ls['bytes_read'])} of {size(ls['checkpoint_bytes'])}, "

@@ -420,6 +420,7 @@ class Trainer:
             self.cfg,
             model=self.model,
             groups=self.groups,
+            moments=self.opts.checkpoint.save_moments,
         )
         return str(path)
 

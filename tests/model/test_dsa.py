@@ -9,6 +9,7 @@ import torch
 from dstrain.model import DeepSeekLM, from_pretrained
 from dstrain.model import dsa as dsa_module
 from dstrain.model.dsa import Target, index_pass, top_keys
+from dstrain.model.init import init_weights
 from tests.helpers.hf import DSA, glm_config, make_hf_model, v32_config
 from tests.helpers.tiny import tiny_config
 
@@ -143,7 +144,7 @@ def test_one_layer_models_indexer_gradient_is_its_kl_gradient(stage, monkeypatch
     cfg = tiny_config(model_type="deepseek_v32", num_hidden_layers=1, first_k_dense_replace=1,
                       num_nextn_predict_layers=0, index_topk=5, index_n_heads=4, index_head_dim=16)  # fmt: skip
     model = DeepSeekLM(cfg).double()
-    model.init_weights(torch.Generator().manual_seed(0))
+    init_weights(model, 0)
     model.train().set_sparse_attention(stage)
     model.set_indexer_grad_scale(0.7)
     seen = {}
@@ -170,7 +171,7 @@ def test_one_layer_models_indexer_gradient_is_its_kl_gradient(stage, monkeypatch
 def test_packed_rows_equal_their_documents_run_one_by_one():
     cfg = tiny_config(model_type="deepseek_v32", index_topk=5, index_n_heads=4, index_head_dim=16)
     model = DeepSeekLM(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    init_weights(model, 0)
     model.eval()
     g = torch.Generator().manual_seed(4)
     a, b = (
@@ -279,7 +280,7 @@ def test_lora_on_the_indexer_learns_from_its_kl_and_merges_exactly():
 
     cfg = tiny_config(model_type="deepseek_v32", index_topk=5, index_n_heads=4, index_head_dim=16)
     model = DeepSeekLM(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    init_weights(model, 0)
     names = apply_lora(model, 4, 8.0, ["indexer"], seed=0)
     assert names and all(".indexer." in n for n in names)
     assert {n.rsplit(".", 1)[1] for n in names} == {"wq_b", "wk", "weights_proj"}

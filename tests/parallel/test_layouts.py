@@ -12,6 +12,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from tests.helpers.ranks import launch
 from tests.helpers.tiny import tiny_config, tiny_dsa_config
@@ -206,6 +207,24 @@ def test_tokens_per_s_and_mfu_count_each_token_once(two_rank, name):
         assert h["mfu"] == pytest.approx(
             by_hand * flops_per_token(tiny_config(), SEQ) / (world * peak), rel=1e-9
         )
+
+
+@pytest.mark.parametrize("name", ["pp2", "tp2", "ep2_z1", "pp2tp2"])
+def test_no_rank_builds_the_whole_fresh_model(two_rank, four_rank, name):
+    """A fresh model in a model-parallel layout is built on meta and each rank draws its own part of one
+    process's values (which the parity tests compare): a pipeline stage or an expert-parallel rank draws
+    exactly what it keeps; a tensor-parallel rank draws whole only a tensor it slices, one at a time."""
+    from dstrain.model.init import local_tensors
+    from dstrain.model.model import DeepSeekLM
+
+    with torch.device("meta"):
+        whole = sum(t.numel() * 4 for _, t in local_tensors(DeepSeekLM(tiny_config())))
+    fresh = {**two_rank[1], **four_rank[1]}[name]["fresh"]
+    assert fresh["held"] < whole
+    if "tp" in name:
+        assert fresh["drawn"] < whole, (fresh, whole)
+    else:
+        assert fresh["drawn"] <= fresh["held"], (fresh, whole)
 
 
 @pytest.mark.parametrize("name", ["pp2", "tp2", "ep2_z2", "dp2_z3"])

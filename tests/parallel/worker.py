@@ -158,6 +158,7 @@ def main(out: str, layouts: list[str]) -> None:
         flags = LAYOUTS[name].format(out=out)
         t0 = time.perf_counter()
         tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
+        drawn, held = tr.load_stats["bytes_drawn"], held_bytes(tr.model)
         tr.run()
         wall = time.perf_counter() - t0
         hist = [
@@ -182,6 +183,7 @@ def main(out: str, layouts: list[str]) -> None:
                 "wall_s": wall,
                 "eval": evals,
                 "eval_resumed": tr.eval_history,
+                "fresh": {"drawn": drawn, "held": held},  # rank 0's, fp32 bytes
             }
             Path(f"{base}.json").write_text(json.dumps(res))
         dist.barrier()
@@ -228,7 +230,7 @@ def reshard_main(out: str, src: str, runs: list[str]) -> None:
 
 def held_bytes(model) -> int:  # noqa: ANN001
     """What this rank keeps of the model outside ZeRO-3, in the fp32 source's bytes."""
-    from dstrain.model.loading import local_tensors
+    from dstrain.model.init import local_tensors
 
     return sum(t.numel() * 4 for _, t in local_tensors(model) if not t.is_meta)
 

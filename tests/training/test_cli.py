@@ -124,6 +124,7 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
             "dstrain-test",
             "--wandb_mode",
             "offline",
+            "--no-save_moments",
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -137,6 +138,12 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
         (out / "checkpoints" / "step_00000002" / "dstrain_state" / "rank_00000.json").read_text()
     )
     assert state["step"] == 2 and state["wandb_run_id"] and state["loader"] is not None
+    # --no-save_moments: the weights layout-free, AdamW's moments only in DeepSpeed's files (this layout's)
+    step2 = out / "checkpoints" / "step_00000002"
+    assert (step2 / "weights").is_dir() and not (step2 / "optimizer").exists()
+    elsewhere = _run([*train, "--config", "zero1", "--resume", str(step2), "--max_steps", "3"])
+    assert elsewhere.returncode == 2, elsewhere.stderr[-3000:]
+    assert "saved with --no-save_moments" in elsewhere.stderr.strip().splitlines()[-1]
     missing = _run([*train, "--resume", str(tmp_path / "nowhere")])
     assert missing.returncode == 2
     assert (

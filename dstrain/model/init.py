@@ -1,0 +1,131 @@
+"""How a fresh model starts: Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and
+the expert bias.
+
+Each tensor draws from its own generator, seeded by the run's seed and the tensor's name (a stack of routed
+experts: one generator per expert), so any part of any tensor can be computed on its own. A pipeline stage, a
+tensor- or expert-parallel slice and a ZeRO-3 partition all start from exactly the values one process starts
+from, and no rank builds the whole model or talks to another to get them. `FreshWeights` answers the same
+questions as `HFReader` (a tensor, a slice of it, a flat range of it), so the code that loads a checkpoint
+into any layout also initialises one.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .lora import is_lora_key
+from .model import DeepSeekLM, is_expert_bias
+from .reader import HFReader, flat_range
+
+
+def local_tensors(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The weights a checkpoint holds: parameters and the expert bias; LoRA adapters only when asked (a
+    Hugging Face folder has none)."""
+    out = [(n, p) for n, p in model.named_parameters() if adapters or not is_lora_key(n)]
+    return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n)]
+
+
+def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, rank, size) of a tensor- or expert-parallel slice, None for a whole tensor."""
+    return getattr(t, "tp_shard", None) or getattr(t, "ep_shard", None)
+
+
+def held_device(model: nn.Module) -> torch.device:
+    """Where this rank's part of `model` lives (cpu when it holds none)."""
+    return next((t.device for _, t in local_tensors(model) if not t.is_meta), torch.device("cpu"))
+
+
+def copy_into(t: torch.Tensor, source: HFReader | FreshWeights, name: str) -> None:
+    """`t`: the whole tensor `name`, or its `tp_shard`/`ep_shard` slice, read from `source` (only that slice)."""
+    shard = shard_of(t)
+    if shard is None:
+        t.copy_(source.read(name))
+    else:
+        dim, rank, _ = shard
+        part = t.shape[dim]
+        t.copy_(source.read(name, dim, rank * part, (rank + 1) * part))
+
+
+def _starts_at(name: str) -> float | None:
+    """The constant a tensor starts at, None for the random matrices."""
+    if is_expert_bias(name) or name.endswith(".bias"):
+        return 0.0
+    if name.endswith("norm.weight"):
+        return 1.0
+    return None
+
+
+class FreshWeights:
+    """The fresh values of a model's tensors, by name, whole or in parts, in fp32 on `device`.
+    `shapes`: every tensor's whole shape. `bytes_drawn` counts the fp32 bytes generated."""
+
+    def __init__(
+        self, shapes: Mapping[str, Sequence[int]], std: float, seed: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self.shapes = {k: tuple(v) for k, v in shapes.items()}
+        self.std, self.seed, self.device = std, seed, torch.device(device)
+        self.bytes_drawn = 0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> FreshWeights:
+        """For the model `cfg` describes, in any layout (the whole shapes, not a rank's slices)."""
+        with torch.device("meta"):
+            shapes = {n: t.shape for n, t in local_tensors(DeepSeekLM(cfg))}
+        return cls(shapes, cfg.initializer_range, seed, device)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """Tensor `name`, or its [start:stop) slice along `dim`. Only a stack of experts is drawn in parts (one
+        expert at a time); a slice of any other tensor is cut from the whole, drawn here and dropped."""
+        shape = self.shapes[name]
+        stop = shape[dim] if dim is not None and stop is None else stop
+        const = _starts_at(name)
+        if const is not None:
+            out_shape = list(shape)
+            if dim is not None:
+                out_shape[dim] = stop - start
+            return torch.full(out_shape, const, device=self.device)
+        if len(shape) == 3 and dim == 0:  # the routed experts this part covers
+            return torch.stack([self._draw(f"{name}#{e}", shape[1:]) for e in range(start, stop)])
+        if len(shape) == 3:
+            whole = torch.stack([self._draw(f"{name}#{e}", shape[1:]) for e in range(shape[0])])
+        else:
+            whole = self._draw(name, shape)
+        return whole if dim is None else whole.narrow(dim, start, stop - start).contiguous()
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor (a ZeRO-3 partition), zero-padded past its end."""
+        return flat_range(
+            partial(self.read, name), self.shapes[name], start, stop, torch.float32, self.device
+        )
+
+    def _draw(self, key: str, shape: Sequence[int]) -> torch.Tensor:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+        self.bytes_drawn += math.prod(shape) * 4
+        return torch.empty(tuple(shape), device=self.device).normal_(0.0, self.std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: DeepSeekLM, seed: int | None = None) -> FreshWeights:
+    """Give every tensor `model` holds (not on meta: another pipeline stage's; a `tp_shard`/`ep_shard` slice:
+    its part) its fresh value. seed None draws one from torch's global generator. -> the source, for its
+    `bytes_drawn`."""
+    if seed is None:
+        seed = int(torch.randint(2**62, ()))
+    fresh = FreshWeights.of(model.config, seed, held_device(model))
+    for name, t in local_tensors(model):
+        if not t.is_meta:
+            copy_into(t, fresh, name)
+    return fresh
