@@ -227,6 +227,18 @@ def test_no_rank_builds_the_whole_fresh_model(two_rank, four_rank, name):
         assert fresh["drawn"] <= fresh["held"], (fresh, whole)
 
 
+@pytest.mark.parametrize("name", ["dp2_z1", "dp2_z3", "ep2_z2"])
+def test_saves_spread_over_the_data_parallel_ranks(two_rank, name):
+    """weights/ and the moments (3 x the fp32 model) are written by both ranks of a data-parallel group, about
+    half each (by bytes, whole tensors), not by rank 0 alone."""
+    ckpt = two_rank[0] / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
+    for folder in ("weights", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
+        written = [
+            sum(f.stat().st_size for f in (ckpt / folder).glob(f"rank{r:05d}-*.safetensors")) for r in (0, 1)
+        ]
+        assert min(written) > 0.3 * sum(written), (folder, written)
+
+
 @pytest.mark.parametrize("name", ["pp2", "tp2", "ep2_z2", "dp2_z3"])
 def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name, capsys):
     """`dstrain export --verify` on the final checkpoint of a parallel run: the HF folder transformers loads
