@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -179,11 +180,23 @@ def local_cuda_device() -> torch.device:
     return device
 
 
+def use_this_environments_ninja() -> None:
+    """torch builds DeepSpeed's JIT ops (the CPU shared-memory collectives, CPU Adam) with the first `ninja` on
+    PATH, in one cache per user. With the environment's own ninja (pip's, beside this interpreter) first, a
+    run started from an activated environment and one started as .venv/bin/python agree on it: two ninja
+    versions take each other's builds for stale and rebuild them (20+ s on a 2-core machine, each switch)."""
+    here = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(here, "ninja")) and path.split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + os.pathsep + path
+
+
 def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     """The process group, on which every collective (and rendezvous-store wait) gives up after `timeout_s`
     seconds (--collective_timeout) instead of waiting forever for a rank that died or hangs."""
     accel = pick_accelerator()
     _fill_env()
+    use_this_environments_ninja()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "0")) or 0) or min(

@@ -11,8 +11,12 @@ Figures (JSON lines, one per config x dtype x figure):
   moe       MoE step efficiency: step time of the dense model with the same active MLP width (same attention,
             same FLOPs per token) / step time of the MoE model, for dstrain and for transformers
   compile   dstrain with regional compilation (each block, like --compile) / transformers eager; warm-up time
+  packed    dstrain on packed rows (4 documents per row, position ids restarting: the varlen kernel on GPUs)
+            / the same tokens as one document per row, tokens/s
   memory    peak memory of one step (tensors created during it: activations, gradients, optimizer
             temporaries; CUDA: max_memory_allocated) dstrain / transformers
+At most two models with their AdamW states live at a time (v2lite-4 in bf16: about 18 GB each, so the GPU
+figures fit 80 GB with transformers' fp32 logits); CUDA runs with expandable segments, as `dstrain train` does.
 Timing: steps interleaved A B B A in one process (the first slot of a round runs slower on a shared machine),
 >= 4 rounds; quoted: the min and the median of the per-round ratios. MFU against the measured matmul peak
 (CPU) or the device's dense bf16 peak (CUDA). Every line names the kernel path: native bf16 on this CPU or
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+# As dstrain/train.py: set before CUDA initialises (a user's own setting wins).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -125,7 +133,13 @@ def hf_model(ours, dtype: torch.dtype, device: str):  # noqa: ANN001, ANN201
         return DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).train()
 
 
-def make_step(model, ids: torch.Tensor, hf: bool, device: str) -> Callable[[], float]:  # noqa: ANN001
+def make_step(
+    model,  # noqa: ANN001
+    ids: torch.Tensor,
+    hf: bool,
+    device: str,
+    position_ids: torch.Tensor | None = None,
+) -> Callable[[], float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> float:
@@ -134,7 +148,7 @@ def make_step(model, ids: torch.Tensor, hf: bool, device: str) -> Callable[[], f
         if hf:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         else:
-            loss = model(ids, labels=ids).loss
+            loss = model(ids, labels=ids, position_ids=position_ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -225,6 +239,9 @@ def kernel_path(cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict:
 
 # ---------------------------------------------------------------------- figures
 def bench(name: str, dtype_name: str, figures: list[str], rounds: int, device: str) -> list[dict]:
+    """At most two models (each with its AdamW states) are alive at a time: on an 80 GB GPU, v2lite-4 (2.3B
+    parameters, 18 GB per model in bf16 with its states) plus transformers' fp32 logits fit; every model is
+    rebuilt from seed 0 when a figure needs it again."""
     dtype = DTYPES[dtype_name]
     cfg = CONFIGS[name]()
     batch, seq = SHAPES[device][name]
@@ -237,8 +254,6 @@ def bench(name: str, dtype_name: str, figures: list[str], rounds: int, device: s
         "seq_len": seq,
         **kernel_path(cfg, dtype, device),
     }
-    ours = build_model(cfg, seed=0, dtype=dtype, device=device).train()
-    hf = hf_model(ours, dtype, device)
     tokens = batch * seq
     peak = matmul_peak(dtype, device) if device == "cpu" else gpu_peak_flops()
     fpt = flops_per_token(cfg, seq)
@@ -247,38 +262,69 @@ def bench(name: str, dtype_name: str, figures: list[str], rounds: int, device: s
     def mfu(seconds: float) -> float:
         return round(fpt * tokens / seconds / peak, 4)
 
-    step_ours, step_hf = make_step(ours, ids, False, device), make_step(hf, ids, True, device)
-    if "speed" in figures:
-        r = abba(step_ours, step_hf, rounds)
-        out.append({**head, "figure": "speed: dstrain / transformers tok/s, eager", "min": r["ratio_min"],
-                    "median": r["ratio_median"], "dstrain_tok_s": tokens / r["a_median_s"],
-                    "transformers_tok_s": tokens / r["b_median_s"], "dstrain_mfu": mfu(r["a_median_s"]),
-                    "transformers_mfu": mfu(r["b_median_s"])})  # fmt: skip
-    if "memory" in figures:
-        mine, theirs = peak_step_bytes(step_ours, device), peak_step_bytes(step_hf, device)
-        out.append({**head, "figure": "memory: peak of one step, dstrain / transformers",
-                    "ratio": mine / theirs, "dstrain_MiB": mine / 2**20, "transformers_MiB": theirs / 2**20})  # fmt: skip
+    def ours(c: ModelConfig = cfg):  # noqa: ANN202
+        return build_model(c, seed=0, dtype=dtype, device=device).train()
+
+    def theirs(c: ModelConfig = cfg):  # noqa: ANN202 - transformers' model with ours(c)'s weights
+        return hf_model(ours(c), dtype, device)
+
+    if "speed" in figures or "memory" in figures:
+        step_ours, step_hf = make_step(ours(), ids, False, device), make_step(theirs(), ids, True, device)
+        if "speed" in figures:
+            r = abba(step_ours, step_hf, rounds)
+            out.append({**head, "figure": "speed: dstrain / transformers tok/s, eager", "min": r["ratio_min"],
+                        "median": r["ratio_median"], "dstrain_tok_s": tokens / r["a_median_s"],
+                        "transformers_tok_s": tokens / r["b_median_s"], "dstrain_mfu": mfu(r["a_median_s"]),
+                        "transformers_mfu": mfu(r["b_median_s"])})  # fmt: skip
+        if "memory" in figures:
+            mine, hfs = peak_step_bytes(step_ours, device), peak_step_bytes(step_hf, device)
+            out.append({**head, "figure": "memory: peak of one step, dstrain / transformers",
+                        "ratio": mine / hfs, "dstrain_MiB": mine / 2**20, "transformers_MiB": hfs / 2**20})  # fmt: skip
+        del step_ours, step_hf
+        free(device)
     if "moe" in figures:
         twin = dense_twin(cfg)
-        dense = build_model(twin, seed=0, dtype=dtype, device=device).train()
-        r = abba(step_ours, make_step(dense, ids, False, device), rounds)
-        hf_dense = hf_model(dense, dtype, device)
-        r_hf = abba(step_hf, make_step(hf_dense, ids, True, device), rounds)
+        r = abba(make_step(ours(), ids, False, device), make_step(ours(twin), ids, False, device), rounds)
+        free(device)
+        r_hf = abba(
+            make_step(theirs(), ids, True, device), make_step(theirs(twin), ids, True, device), rounds
+        )
+        free(device)
         out.append({**head, "figure": "moe: dense-twin step time / MoE step time", "dstrain_min": r["ratio_min"],
                     "dstrain_median": r["ratio_median"], "transformers_min": r_hf["ratio_min"],
                     "transformers_median": r_hf["ratio_median"]})  # fmt: skip
-        del dense, hf_dense
+    if "packed" in figures:
+        # The same tokens as documents of seq/4 packed into each row (position ids restart per document: the
+        # varlen kernel on GPUs, the block kernel's document ids on the CPU) against one document per row.
+        model = ours()
+        pos = torch.arange(seq, device=device).remainder(seq // 4).expand(batch, seq)
+        r = abba(make_step(model, ids, False, device, pos), make_step(model, ids, False, device), rounds)
+        out.append({**head, "figure": "packed: dstrain tok/s, 4 documents per row / 1 per row",
+                    "min": r["ratio_min"], "median": r["ratio_median"], "packed_tok_s": tokens / r["a_median_s"],
+                    "packed_mfu": mfu(r["a_median_s"])})  # fmt: skip
+        del model
+        free(device)
     if "compile" in figures:
-        compiled = build_model(cfg, seed=0, dtype=dtype, device=device).train()
+        compiled = ours()
         compiled.compile_blocks()
         step_c = make_step(compiled, ids, False, device)
         t = time.perf_counter()
         step_c()
         warm = time.perf_counter() - t
-        r = abba(step_c, step_hf, rounds)
+        r = abba(step_c, make_step(theirs(), ids, True, device), rounds)
         out.append({**head, "figure": "compile: dstrain --compile / transformers eager tok/s", "min": r["ratio_min"],
                     "median": r["ratio_median"], "warmup_s": round(warm, 1), "dstrain_mfu": mfu(r["a_median_s"])})  # fmt: skip
+        del compiled, step_c
+        free(device)
     return out
+
+
+def free(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def set_malloc(mode: str) -> None:
@@ -299,7 +345,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--configs", default=None, help="comma-separated (default: fine,fine-b on CPU)")
     p.add_argument("--dtypes", default=None, help="default: fp32,bf16 on CPU, bf16 on CUDA")
-    p.add_argument("--figures", default="speed,moe,compile,memory")
+    p.add_argument("--figures", default="speed,moe,packed,compile,memory")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument(
         "--malloc",

@@ -203,9 +203,8 @@ def test_runnable_block(code, request, tmp_path_factory):
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         "TMP_RUN": str(run_dir),
         "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1"
-        if RANKS.search(code)
-        else "2",  # ranks share the 2 cores; one process has both
+        # ranks share the 2 cores; one process has both, unless the suite shares them (launch/test.sh)
+        "OMP_NUM_THREADS": "1" if RANKS.search(code) else os.environ.get("OMP_NUM_THREADS", "2"),
         "MASTER_PORT": str(free_port()),
     }
     proc = subprocess.Popen(

@@ -22,7 +22,10 @@ def test_wheel_runs_train_export_and_plot_outside_the_checkout(tmp_path):
 
     def run(cmd: list, cwd=ROOT, timeout: int = 300) -> subprocess.CompletedProcess:  # noqa: ANN001
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        # The dependencies' ninja too (pip's, beside this interpreter; the new environment has none of its own):
+        # DeepSpeed's JIT-built ops then come from the cache this checkout's runs use (dstrain/dist.py)
+        path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=path)
         proc = subprocess.run(
             [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )

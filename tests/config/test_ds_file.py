@@ -5,6 +5,7 @@ DeepSpeed reads, comments and keys DeepSpeed ignores pass, and a `compile` secti
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,6 +16,7 @@ from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import ConfigError
 from tests.helpers.ranks import launch
 from tests.helpers.tiny import ROOT, tiny_config
+from tests.training.worker import TEMPLATE_KIND
 
 TEMPLATE_DIR = ROOT / "tests" / "config" / "ds_templates"
 TEMPLATES = sorted(TEMPLATE_DIR.glob("*.json"))
@@ -185,12 +187,20 @@ def test_other_projects_templates_run_or_are_refused_in_one_line(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads((tmp_path / "result_templates_rank0.json").read_text())
     assert set(res) == {p.stem for p in TEMPLATES}
+    ran = set()
     for name, got in res.items():
         if name in REFUSED:
             assert REFUSED[name] in got["refused"] and "\n" not in got["refused"], (name, got)
             continue
         assert "refused" not in got, (name, got)
-        assert got["loss"] is not None and got["train_batch_size"] == TRAIN_BATCH.get(name, 8), (name, got)
+        assert got["train_batch_size"] == TRAIN_BATCH.get(name, 8), (name, got)
+        kind = tuple(got[k] for k in TEMPLATE_KIND)
+        if got["loss"] is not None:
+            assert kind not in ran and math.isfinite(got["loss"]), (name, got)
+            ran.add(kind)
+    # every kind of run the files resolve to ran a step (12 kinds among the 20 files that run)
+    kinds = {tuple(g[k] for k in TEMPLATE_KIND) for g in res.values() if "refused" not in g}
+    assert ran == kinds and len(kinds) >= 10, kinds - ran
     # what the files say is what runs: stage, offload, bf16, DeepSeek-MoE's own warmup-only schedule
     assert res["axolotl__zero2"]["offload"] and res["axolotl__zero2"]["stage"] == 2
     assert res["axolotl__zero3_bf16"]["precision"] == "bf16"

@@ -57,19 +57,27 @@ def _start(out, extra: list[str], group: bool = False) -> list[subprocess.Popen]
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> tuple[list[int], str]:
+    """Exit codes, and rank 0's output followed by the other ranks' (stdout and stderr together)."""
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    return [p.returncode for p in procs], outs[0]
+    return [p.returncode for p in procs], outs[0] + "".join(
+        f"\n--- rank {r}:\n{o}" for r, o in enumerate(outs[1:], 1)
+    )
 
 
 def _losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(tmp_path):
-    straight = tmp_path / "straight"
-    codes, text = _finish(_start(straight, ["--max_steps", "10"]))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    """The uninterrupted 10 steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
+    out = tmp_path_factory.mktemp("straight")
+    codes, text = _finish(_start(out, ["--max_steps", "10"]))
     assert codes == [0, 0], text[-3000:]
+    return _losses(out)
 
+
+def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(straight, tmp_path):
     run = tmp_path / "run"
     procs = _start(run, ["--max_steps", "10"])
     when = random.Random(os.getpid()).randint(2, 6)
@@ -92,7 +100,7 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(tmp_
 
     codes, text = _finish(_start(run, ["--max_steps", "10", "--resume", "auto"]))
     assert codes == [0, 0], text[-3000:]
-    assert _losses(run) == _losses(straight)
+    assert _losses(run) == straight
 
 
 def test_time_limit_stops_before_it_is_up(tmp_path):
@@ -120,19 +128,10 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def straight_workers(tmp_path_factory):
-    """The uninterrupted 10 steps with a DataLoader worker per rank: their losses."""
-    out = tmp_path_factory.mktemp("straight_workers")
-    codes, text = _finish(_start(out, ["--max_steps", "10", "--num_workers", "1"]))
-    assert codes == [0, 0], text[-3000:]
-    return _losses(out)
-
-
 # SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone
 @pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True)])
 def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
-    sig, kill_worker, straight_workers, tmp_path
+    sig, kill_worker, straight, tmp_path
 ):
     """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
     included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
@@ -161,4 +160,4 @@ def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
 
     codes, text = _finish(_start(run, [*flags, "--resume", "auto"]))
     assert codes == [0, 0], text[-3000:]
-    assert _losses(run) == straight_workers
+    assert _losses(run) == straight  # with a worker per rank: the same rows

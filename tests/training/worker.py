@@ -1,6 +1,7 @@
 """The multi-rank trainer worker: `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker
 MODE OUT` (run from the repository root). MODE main: ZeRO 1/2/3 runs with resumes, GA splits, uneven
-routing, bf16 and the NaN policies; MODE kill: a run continued with --resume auto (after a killed save)."""
+routing, bf16 and the NaN policies; MODE kill: a run continued with --resume auto (after a killed save);
+MODE compile: --compile in each layout; MODE templates: other projects' DeepSpeed files."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from typing import Any
 
 import torch
 
-from tests.helpers.tiny import ROOT
+from tests.helpers.tiny import ROOT, tiny_config
 from tests.helpers.trainer import GlobalRows, eval_rows, make_options, make_trainer
+
+# What makes two DeepSpeed files of other projects the same kind of run (one step runs per kind)
+TEMPLATE_KIND = ("stage", "offload", "precision", "dims", "lr_schedule")
 
 
 def _losses(tr) -> list[float | None]:
@@ -139,29 +143,40 @@ def worker(mode: str, out: str) -> None:
             tr.run()
             res[name] = [{"loss": r["loss"], "grad_norm": r["grad_norm"]} for r in tr.history]
     elif mode == "templates":
-        # Other projects' DeepSpeed files as users bring them (tests/config/ds_templates): 1 step each on
-        # the defaults, or a one-line refusal
+        # Other projects' DeepSpeed files as users bring them (tests/config/ds_templates): each resolved (and
+        # read by DeepSpeed's config parser), or a one-line refusal; 1 step on the defaults for the first file
+        # of each kind of run (stage, offload, precision, layout, schedule): the others resolve to the same
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        from dstrain.config.plan import prepare
         from dstrain.errors import ConfigError
 
+        kinds: set[tuple] = set()
         for path in sorted(Path(ROOT, "tests", "config", "ds_templates").glob("*.json")):
+            opts = opts_for(f"--config {path} --max_steps 1 --save_every 0")
             try:
-                tr = make_trainer(
-                    opts_for(f"--config {path} --max_steps 1 --save_every 0"), f"{out}/{path.stem}", info
-                )
+                plan = prepare(opts, info.world_size, model=tiny_config())
             except ConfigError as exc:
                 res[path.stem] = {"refused": str(exc)}
                 continue
-            tr.run()
-            ds = tr.plan.ds
-            res[path.stem] = {
-                "loss": tr.history[-1]["loss"],
-                "stage": tr.plan.stage,
-                "dims": tr.plan.dims.describe(),
-                "offload": tr.plan.offload,
-                "precision": tr.plan.precision,
-                "train_batch_size": ds["train_batch_size"],
-                "lr_schedule": tr.plan.opts.schedule.lr_schedule,
+            got = {
+                "loss": None,
+                "stage": plan.stage,
+                "dims": plan.dims.describe(),
+                "offload": plan.offload,
+                "precision": plan.precision,
+                "train_batch_size": plan.ds["train_batch_size"],
+                "lr_schedule": plan.opts.schedule.lr_schedule,
             }
+            kind = tuple(got[k] for k in TEMPLATE_KIND)
+            if kind not in kinds:
+                kinds.add(kind)
+                tr = make_trainer(opts, f"{out}/{path.stem}", info)
+                tr.run()
+                got["loss"] = tr.history[-1]["loss"]
+            else:  # what deepspeed.initialize would parse first
+                DeepSpeedConfig(plan.ds)
+            res[path.stem] = got
     elif mode == "kill":
         tr = make_trainer(opts_for(f"--config zero1 {common} --resume auto"), f"{out}/killed", info)
         res["start_step"] = tr.step
