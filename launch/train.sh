@@ -13,9 +13,8 @@ fi
 # The deepspeed launcher detects the accelerator itself; say it explicitly on a CPU-only machine so neither
 # the launcher nor the ranks probe for others. A machine with a GPU that CUDA cannot start (a torch wheel for
 # a newer driver) is not CPU-only: the ranks then stop with one line saying why (`dstrain env` says more).
-if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  if ! ls /dev/nvidia[0-9]* > /dev/null 2>&1; then
-    export DS_ACCELERATOR=cpu
-  fi
+if ! .venv/bin/python -c "import sys, torch; from dstrain.dist import gpu_present
+sys.exit(0 if torch.cuda.is_available() or gpu_present() else 1)"; then
+  export DS_ACCELERATOR=cpu
 fi
 exec .venv/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" dstrain/train.py "$@"

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from dstrain.model.init import local_tensors, shard_of
@@ -144,8 +145,6 @@ def save_weights(
 ) -> None:
     """Collective: every rank calls it, with the same parameter order within each data-parallel group.
     `optimizer` (DeepSpeed's, once it has stepped): also write the moments of the trained parameters."""
-    import torch.distributed as tdist
-
     path = Path(path)
     writers = _Writers(groups, rank, tdist.get_world_size() if tdist.is_initialized() else 1)
     weights = _Folder(path / WEIGHTS_DIR, rank, max_shard_bytes)

@@ -11,9 +11,10 @@ into any layout also initialises one.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -63,22 +64,20 @@ def _starts_at(name: str) -> float | None:
 
 
 class FreshWeights:
-    """The fresh values of a model's tensors, by name, whole or in parts, in fp32 on `device`.
-    `shapes`: every tensor's whole shape. `bytes_drawn` counts the fp32 bytes generated."""
+    """The fresh values of the tensors of the model `cfg` describes, by name, whole or in parts, in fp32 on
+    `device`. `bytes_drawn` counts the fp32 bytes generated."""
 
-    def __init__(
-        self, shapes: Mapping[str, Sequence[int]], std: float, seed: int, device: torch.device | str = "cpu"
-    ) -> None:
-        self.shapes = {k: tuple(v) for k, v in shapes.items()}
-        self.std, self.seed, self.device = std, seed, torch.device(device)
+    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> None:
+        self.cfg, self.seed, self.device = cfg, seed, torch.device(device)
+        self.std = cfg.initializer_range
         self.bytes_drawn = 0
 
-    @classmethod
-    def of(cls, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> FreshWeights:
-        """For the model `cfg` describes, in any layout (the whole shapes, not a rank's slices)."""
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's whole shape (any layout's slices are parts of these), from a model on meta: built on
+        the first read, so a folder that lacks nothing never pays for it."""
         with torch.device("meta"):
-            shapes = {n: t.shape for n, t in local_tensors(DeepSeekLM(cfg))}
-        return cls(shapes, cfg.initializer_range, seed, device)
+            return {n: tuple(t.shape) for n, t in local_tensors(DeepSeekLM(self.cfg))}
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
@@ -118,14 +117,21 @@ class FreshWeights:
 
 
 @torch.no_grad()
-def init_weights(model: DeepSeekLM, seed: int | None = None) -> FreshWeights:
+def fill(
+    model: nn.Module, fresh: FreshWeights, folder: HFReader | None = None, missing: Sequence[str] = ()
+) -> FreshWeights:
     """Give every tensor `model` holds (not on meta: another pipeline stage's; a `tp_shard`/`ep_shard` slice:
-    its part) its fresh value. seed None draws one from torch's global generator. -> the source, for its
-    `bytes_drawn`."""
-    if seed is None:
-        seed = int(torch.randint(2**62, ()))
-    fresh = FreshWeights.of(model.config, seed, held_device(model))
+    its part) its value from `folder`, or its fresh value where there is no folder or the folder lacks it
+    (`missing`). -> `fresh`, for its `bytes_drawn`."""
     for name, t in local_tensors(model):
         if not t.is_meta:
-            copy_into(t, fresh, name)
+            copy_into(t, fresh if folder is None or name in missing else folder, name)
     return fresh
+
+
+def init_weights(model: DeepSeekLM, seed: int | None = None) -> FreshWeights:
+    """Every tensor `model` holds at its fresh value (see `fill`). seed None draws one from torch's global
+    generator. -> the source, for its `bytes_drawn`."""
+    if seed is None:
+        seed = int(torch.randint(2**62, ()))
+    return fill(model, FreshWeights(model.config, seed, held_device(model)))

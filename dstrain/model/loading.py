@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
-from .init import FreshWeights, copy_into, held_device, init_weights, local_tensors
+from .init import FreshWeights, fill, held_device, init_weights, local_tensors
 from .model import DeepSeekLM, is_expert_bias
 from .presets import get_config
 from .reader import HFReader, SafetensorsFile
@@ -91,10 +91,7 @@ def fill_from_hf(model: DeepSeekLM, reader: HFReader, seed: int = 0) -> FreshWei
     missing expert bias at zero. -> the fresh values' source (its `bytes_drawn`: what started fresh)."""
     cfg = model.config
     missing = check_folder(reader, cfg)
-    fresh = FreshWeights.of(cfg, seed, held_device(model))
-    for name, t in local_tensors(model):
-        if not t.is_meta:
-            copy_into(t, fresh if name in missing else reader, name)
+    fresh = fill(model, FreshWeights(cfg, seed, held_device(model)), reader, missing)
     warn_fresh_mtp(reader.path, cfg, missing)
     return fresh
 

@@ -117,7 +117,7 @@ def _zero3(
     with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
         model = DeepSeekLM(cfg)
     missing = check_folder(reader, cfg) if reader is not None else None
-    fresh = FreshWeights.of(cfg, seed, device)
+    fresh = FreshWeights(cfg, seed, device)
     for name, t in local_tensors(model):
         source = fresh if reader is None or name in missing else reader
         if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated

@@ -42,7 +42,7 @@ def test_kinds_of_start(whole):
 
 def test_whole_tensors_equal_build_model(whole):
     model, tensors = whole
-    fresh = FreshWeights.of(model.config, SEED)
+    fresh = FreshWeights(model.config, SEED)
     for name, t in tensors.items():
         assert torch.equal(fresh.read(name), t), name
 
@@ -61,7 +61,7 @@ def test_a_slice_equals_the_slice_of_the_whole(whole, name, dim):
     model, tensors = whole
     want = tensors[name]
     size = want.shape[dim] // 2
-    fresh = FreshWeights.of(model.config, SEED)
+    fresh = FreshWeights(model.config, SEED)
     assert torch.equal(fresh.read(name, dim, size, 2 * size), want.narrow(dim, size, size))
     # the same through copy_into, as a tensor- or expert-parallel rank holds it
     part = torch.full_like(want.narrow(dim, 0, size), float("nan"))
@@ -72,7 +72,7 @@ def test_a_slice_equals_the_slice_of_the_whole(whole, name, dim):
 
 def test_an_expert_parallel_rank_draws_only_its_experts(whole):
     model, tensors = whole
-    fresh = FreshWeights.of(model.config, SEED)
+    fresh = FreshWeights(model.config, SEED)
     name = "layers.1.mlp.experts.gate_up_proj"
     fresh.read(name, 0, 2, 4)
     assert fresh.bytes_drawn == 2 * math.prod(tensors[name].shape[1:]) * 4
@@ -83,7 +83,7 @@ def test_a_flat_range_equals_the_flat_range_of_the_whole(whole, name):
     """A ZeRO-3 partition, the last one padded with zeros past the tensor's end."""
     model, tensors = whole
     flat = tensors[name].flatten()
-    fresh = FreshWeights.of(model.config, SEED)
+    fresh = FreshWeights(model.config, SEED)
     n = flat.numel()
     part = -(-n // 3) + 1
     got = torch.cat([fresh.read_flat(name, r * part, (r + 1) * part) for r in range(3)])
