@@ -6,7 +6,7 @@ statement in the package (top level or inside a function) against the floors bel
     memory         `dstrain plan`: estimate, layout search, measurement
     config         options, the DeepSpeed file, the resolved run plan
     checkpoint     the store, layout-free weights, LoRA files, export
-    parallel       layouts applied to the built model          data   (self-contained)
+    parallel       layouts applied to the built model   optim (Muon, parameter groups)   data (self-contained)
     model          single-device model, HF format
     base           errors, atomic, batch, fields, cmdline, dist
 """
@@ -26,11 +26,12 @@ FLOORS = {
     "model": {"base"},
     "data": {"base"},
     "parallel": {"base", "model"},
-    "checkpoint": {"base", "model", "parallel"},
+    "optim": {"base", "model"},
+    "checkpoint": {"base", "model", "parallel", "optim"},
     "config": {"base", "model", "data", "parallel", "checkpoint"},
     "memory": {"base", "model", "parallel", "config"},
-    "training": {"base", "model", "data", "parallel", "checkpoint", "config", "memory"},
-    "entry": {"base", "model", "data", "parallel", "checkpoint", "config", "memory", "training"},
+    "training": {"base", "model", "data", "parallel", "optim", "checkpoint", "config", "memory"},
+    "entry": {"base", "model", "data", "parallel", "optim", "checkpoint", "config", "memory", "training"},
 }
 ENTRY_POINTS = {"cli", "train", "__main__", "env"}
 

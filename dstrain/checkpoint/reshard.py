@@ -19,8 +19,9 @@ from torch import nn
 
 from dstrain.errors import CheckpointError
 from dstrain.model.init import local_tensors
+from dstrain.optim import ADAMW_STATE, MUON_STATE, state_keys
 
-from .weights import MOMENTS, iter_weights, link_moments, local_slice, moments_dir, weights_index
+from .weights import iter_weights, link_moments, local_slice, moments_dir, weights_index
 
 
 def base_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -66,16 +67,19 @@ def load_resharded(engine: Any, model: nn.Module, path: Path, progress: dict[str
         if _trained(t) and _has_master(t):  # without one (no ZeRO, fp32) the module weight is the master
             safe_set_full_fp32_param(t, value)
     trained = [n for n, t in mine.items() if _trained(t)]
-    adam_step = float(progress.get("adam_step", 0.0))
+    adam_step = float(progress.get("adam_step", 0.0))  # updates taken (AdamW's count, Muon's alike)
     if adam_step > 0 and trained:
-        if not (path / moments_dir(MOMENTS[0])).is_dir():
-            raise CheckpointError(
-                f"checkpoint {path}: no layout-free AdamW moments (saved with --no-save_moments, or by "
-                "an older dstrain): it resumes on its own layout only"
-            )
+        keys = {key: [n for n in trained if key in state_keys(mine[n])] for key in ADAMW_STATE + MUON_STATE}
+        keys = {key: names for key, names in keys.items() if names}
+        for key in keys:
+            if not (path / moments_dir(key)).is_dir():
+                raise CheckpointError(
+                    f"checkpoint {path}: no layout-free optimizer state {key} (saved with --no-save_moments, "
+                    "by another --optimizer, or by an older dstrain): it resumes on its own layout only"
+                )
         _create_state(engine.optimizer, base)
-        for key in MOMENTS:
-            for name, full in iter_weights(path, trained, moments_dir(key)):
+        for key, names in keys.items():
+            for name, full in iter_weights(path, names, moments_dir(key)):
                 t = mine[name]
                 value = local_slice(full, t)
                 if _has_master(t):

@@ -3,7 +3,8 @@ DeepSpeed.
 
 `save_weights` (collective) writes CHECKPOINT/weights/: safetensors files of fp32 master weights in dstrain's
 state-dict naming plus one index per writing rank, and the same for AdamW's moments of every trained
-parameter in CHECKPOINT/optimizer/exp_avg/ and .../exp_avg_sq/. Each tensor (or slice) is written once: a
+parameter in CHECKPOINT/optimizer/exp_avg/ and .../exp_avg_sq/ (Muon's momentum in .../momentum_buffer/,
+dstrain.optim.state_keys). Each tensor (or slice) is written once: a
 pipeline stage writes its own layers; a tensor-parallel or expert-parallel shard is written by its owner with
 where it sits in the full tensor; replicated tensors by one rank. `iter_weights` puts the pieces back together
 one tensor at a time (export streams from it; memory stays at one tensor plus one file's buffer);
@@ -23,9 +24,9 @@ import torch.distributed as tdist
 from torch import nn
 
 from dstrain.model.init import local_tensors, shard_of
+from dstrain.optim import state_keys
 
 WEIGHTS_DIR = "weights"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, the one optimizer dstrain runs
 INDEX_RE = re.compile(r"^index-rank(\d+)\.json$")
 
 
@@ -148,7 +149,7 @@ def save_weights(
     path = Path(path)
     writers = _Writers(groups, rank, tdist.get_world_size() if tdist.is_initialized() else 1)
     weights = _Folder(path / WEIGHTS_DIR, rank, max_shard_bytes)
-    moments = {k: _Folder(path / moments_dir(k), rank, max_shard_bytes) for k in MOMENTS} if optimizer else {}
+    moments: dict[str, _Folder] = {}  # by state key, opened at its first tensor
     base = getattr(optimizer, "optimizer", optimizer)  # torch's AdamW under DeepSpeed's wrapper
     if optimizer is not None:
         link_moments(optimizer)
@@ -161,7 +162,10 @@ def save_weights(
         else:
             value = tensor.detach().float().cpu() if writes else None
         trained = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-        for key, folder in moments.items() if trained else ():
+        for key in state_keys(tensor) if trained and optimizer is not None else ():
+            if key not in moments:
+                moments[key] = _Folder(path / moments_dir(key), rank, max_shard_bytes)
+            folder = moments[key]
             moment = _full_fp32(tensor, writes, base, key)
             if writes:
                 folder.add(name, moment, shard_of(tensor))

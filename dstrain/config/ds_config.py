@@ -16,7 +16,7 @@ from dstrain.atomic import write_json
 from dstrain.errors import ConfigError
 from dstrain.parallel import ParallelDims
 
-from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, TORCH_COMPILE_OK, UserFile
+from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, TORCH_COMPILE_OK, UserFile, optimizer_type
 from .ds_file import fmt_value as _fmt
 from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 
@@ -24,6 +24,19 @@ from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 SHIPPED_DIR = Path(__file__).parent / "ds_configs"
 RESOLVED = "ds_config.resolved.json"
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "foreach", "fused"}
+# DeepSpeed's Muon section (runtime/engine.py _muon_param_groups): the shared lr, each half's own, Muon's
+# momentum and Newton-Schulz form, AdamW's betas and eps, per-head orthogonalisation
+MUON_PARAMS = {
+    "lr",
+    "muon_lr",
+    "adam_lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "momentum",
+    "ns_method",
+    "per_head_muon",
+}
 SCHEDULER_PARAMS = {
     "WarmupCosineLR": {
         "total_num_steps",
@@ -161,7 +174,7 @@ def resolve_ds_config(
         raise ConfigError(f"ds_config zero_optimization.offload_param needs stage 3 (stage={stage})")
     if offload_opt and stage == 0:
         raise ConfigError("ds_config zero_optimization.offload_optimizer needs stage >= 1 (stage=0)")
-    _resolve_optimizer(ds, optimizer, schedule, offload_opt)
+    _resolve_optimizer(ds, optimizer, schedule, offload_opt, dims)
     _resolve_scheduler(ds, schedule)
     _resolve_zero_autos(zero, hidden_size, device_type)
     # dstrain prints its own progress; DeepSpeed's every-10-steps lines would interleave with it.
@@ -254,13 +267,16 @@ def layout_sections(dims: ParallelDims) -> dict[str, Any]:
 
 
 def _resolve_optimizer(
-    ds: dict[str, Any], t: OptimizerOptions, schedule: ScheduleOptions, offload_opt: bool
+    ds: dict[str, Any], t: OptimizerOptions, schedule: ScheduleOptions, offload_opt: bool, dims: ParallelDims
 ) -> None:
     opt = ds.setdefault("optimizer", {})
     _check_keys(opt, {"type", "params"}, "optimizer.")
     kind = opt.get("type", AUTO)
-    if kind not in (AUTO, "AdamW", "Adam"):
-        raise ConfigError(f"ds_config optimizer.type={kind}: dstrain trains with AdamW (type AdamW or auto)")
+    if kind != AUTO and optimizer_type(kind) != t.optimizer:
+        raise ConfigError(f"ds_config optimizer.type={kind} conflicts with --optimizer {t.optimizer}")
+    if t.optimizer == "muon":
+        _resolve_muon(ds, opt, t, schedule, offload_opt, dims)
+        return
     opt["type"] = "AdamW"
     params = opt.setdefault("params", {})
     _check_keys(params, OPTIMIZER_PARAMS, "optimizer.params.")
@@ -297,6 +313,62 @@ def _resolve_optimizer(
         raise ConfigError(
             "ds_config optimizer.params.fused=true needs torch_adam (not with offload_optimizer)"
         )
+
+
+def _resolve_muon(
+    ds: dict[str, Any],
+    opt: dict[str, Any],
+    t: OptimizerOptions,
+    schedule: ScheduleOptions,
+    offload_opt: bool,
+    dims: ParallelDims,
+) -> None:
+    """The section records the run in DeepSpeed's Muon terms (so the resolved file given back as --config
+    runs the same); dstrain's own optimizer (dstrain.optim.muon) is what trains, handed to DeepSpeed as a
+    client optimizer, and the trainer strips this section from what deepspeed.initialize gets."""
+    if dims.tp > 1:
+        raise ConfigError(
+            f"--optimizer muon with --tp {dims.tp}: Newton-Schulz needs each whole matrix and tensor "
+            "parallelism splits them (use --ep/--pp/ZeRO instead)"
+        )
+    if offload_opt:
+        raise ConfigError(
+            "--optimizer muon with zero_optimization.offload_optimizer: Muon steps on the accelerator "
+            "(its all-gathers and Newton-Schulz); turn offload_optimizer off"
+        )
+    opt["type"] = "Muon"
+    params = opt.setdefault("params", {})
+    for key in OPTIMIZER_PARAMS - MUON_PARAMS:  # AdamW's own settings, left "auto" by a shared file
+        if params.get(key) == AUTO:
+            del params[key]
+    _check_keys(params, MUON_PARAMS, "optimizer.params.")
+    where = "optimizer.params."
+    # DeepSpeed's meaning: lr is each half's unless adam_lr / muon_lr give that half its own
+    lr, muon_lr = float(schedule.lr), float(t.muon_lr if t.muon_lr is not None else schedule.lr)
+    adam_flag, muon_flag = f"--lr {schedule.lr}", f"--muon_lr {t.muon_lr if t.muon_lr is not None else lr}"
+    if params.get("lr", AUTO) == AUTO:
+        params["lr"] = lr
+    else:
+        if params.get("adam_lr", AUTO) == AUTO:
+            _own(params, "lr", lr, adam_flag, where)
+        if params.get("muon_lr", AUTO) == AUTO:
+            _own(params, "lr", muon_lr, muon_flag, where)
+    _own(params, "adam_lr", lr, adam_flag, where)
+    _own(params, "muon_lr", muon_lr, muon_flag, where)
+    betas = [t.adam_beta1, t.adam_beta2]
+    _own(params, "betas", betas, f"--adam_beta1 {t.adam_beta1} --adam_beta2 {t.adam_beta2}", where)
+    _own(params, "eps", float(t.adam_eps), f"--adam_eps {t.adam_eps}", where)
+    _own(params, "weight_decay", float(t.weight_decay), f"--weight_decay {t.weight_decay}", where)
+    _own(params, "momentum", float(t.muon_momentum), f"--muon_momentum {t.muon_momentum}", where)
+    _own(params, "per_head_muon", t.muon_per_head, f"--muon_per_head {t.muon_per_head}", where)
+    # DeepSpeed's two Newton-Schulz forms compute the same function (gram in fp16 on GPUs); dstrain runs the
+    # standard iteration in fp32 for either.
+    if params.get("ns_method", AUTO) not in (AUTO, "gram", "standard"):
+        raise ConfigError(
+            f"ds_config optimizer.params.ns_method={_fmt(params['ns_method'])}: gram or standard"
+        )
+    params.setdefault("ns_method", "standard")
+    ds["zero_allow_untested_optimizer"] = True  # a client optimizer under ZeRO
 
 
 def _resolve_scheduler(ds: dict[str, Any], t: ScheduleOptions) -> None:

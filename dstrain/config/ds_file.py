@@ -277,6 +277,18 @@ def _get(d: dict[str, Any], path: tuple[str, ...]) -> Any:
     return d
 
 
+OPTIMIZER_TYPES = {"AdamW": "adamw", "Adam": "adamw", "Muon": "muon"}  # DeepSpeed's type -> --optimizer
+
+
+def optimizer_type(kind: Any) -> str:
+    """DeepSpeed's optimizer.type -> --optimizer, or a ConfigError naming the types dstrain runs."""
+    if kind not in OPTIMIZER_TYPES:
+        raise ConfigError(
+            f"ds_config optimizer.type={fmt_value(kind)}: dstrain trains with AdamW or Muon (type AdamW, Muon or auto)"
+        )
+    return OPTIMIZER_TYPES[kind]
+
+
 # File path -> (option section, option field, file value -> option value). Explicit file values become the
 # option where the user did not set it.
 ADOPTED: list[tuple[tuple[str, ...], str, str, Any]] = [
@@ -289,6 +301,12 @@ ADOPTED: list[tuple[tuple[str, ...], str, str, Any]] = [
     (("optimizer", "params", "betas"), "optimizer", "adam_beta2", lambda v: float(v[1])),
     (("optimizer", "params", "eps"), "optimizer", "adam_eps", float),
     (("optimizer", "params", "weight_decay"), "optimizer", "weight_decay", float),
+    # DeepSpeed's Muon: adam_lr is the AdamW half's (the schedule's peak), muon_lr the Muon half's
+    (("optimizer", "params", "adam_lr"), "schedule", "lr", float),
+    (("optimizer", "params", "muon_lr"), "optimizer", "muon_lr", float),
+    (("optimizer", "params", "momentum"), "optimizer", "muon_momentum", float),
+    (("optimizer", "params", "per_head_muon"), "optimizer", "muon_per_head", bool),
+    (("optimizer", "type"), "optimizer", "optimizer", optimizer_type),
     (("scheduler", "params", "warmup_num_steps"), "schedule", "warmup_steps", int),
     (("scheduler", "params", "total_num_steps"), "schedule", "max_steps", int),
     (("scheduler", "type"), "schedule", "lr_schedule", lambda v: DS_SCHEDULER_TYPES[v]),
@@ -306,8 +324,17 @@ def adopt(opts: Options, raw: dict[str, Any]) -> Options:
             continue
         try:
             changes.setdefault(section, {})[name] = convert(value)
+        except ConfigError:
+            raise
         except (TypeError, ValueError, KeyError, IndexError):
             raise ConfigError(f"ds_config {'.'.join(path)}={fmt_value(value)}: not a valid {name}") from None
+    if _get(raw, ("optimizer", "type")) == "Muon":  # read with DeepSpeed's meaning
+        own = changes.setdefault("optimizer", {})
+        if "muon_scale" not in opts.given:  # its update is scaled by sqrt(max(1, A / B))
+            own["muon_scale"] = "spectral"
+        lr = _get(raw, ("optimizer", "params", "lr"))
+        if lr != AUTO and "muon_lr" not in opts.given and "muon_lr" not in own:
+            own["muon_lr"] = float(lr)  # the shared lr is the Muon half's unless muon_lr
     schedule = changes.get("schedule", {})
     if "min_lr" not in opts.given:
         ratio = _get(raw, ("scheduler", "params", "cos_min_ratio"))

@@ -118,8 +118,13 @@ class LayoutOptions:
 
 @dataclass
 class OptimizerOptions:
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every parameter. muon: Muon on the hidden matrices (per expert on the routed experts,
+    gate and up apart), AdamW on the embedding, the LM head, norms and biases (Moonlight's split; the table of
+    which parameter gets which is printed at start and written to the run folder as optimizer_groups.txt)."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms, biases or the expert bias)."""
+    """Decoupled weight decay, applied to matrices only (not norms, biases or the expert bias); Muon's
+    matrices decay at the same rate (Moonlight)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.95
@@ -128,12 +133,32 @@ class OptimizerOptions:
     """AdamW epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient 2-norm to this (DeepSpeed gradient_clipping); 0 turns clipping off."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (M <- momentum * M + G)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises G + momentum * M (Nesterov) instead of M."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon update."""
+    muon_scale: Literal["rms", "spectral"] = "rms"
+    """Factor on each orthogonalised (A, B) block. rms: 0.2 * sqrt(max(A, B)) (Moonlight: the update's RMS
+    matches AdamW's, so --lr and --weight_decay carry over); spectral: sqrt(max(1, A / B)) (Keller Jordan's and
+    DeepSpeed's Muon, whose learning rate is in spectral-norm units, about 0.02; a DeepSpeed file with
+    optimizer.type Muon means this)."""
+    muon_lr: float | None = None
+    """Peak learning rate of the Muon matrices, on the same schedule (default: --lr)."""
+    muon_per_head: bool = False
+    """Orthogonalise MLA's query and key-value up-projections (q_b_proj or q_proj, kv_b_proj) and the
+    indexer's wq_b per head ("Muon split", GLM-5's recipe; DeepSpeed's per_head_muon)."""
+    muon_adapters: bool = True
+    """With LoRA: Muon steps each adapter factor as a matrix (per expert for the experts'); false: AdamW."""
 
     def __post_init__(self) -> None:
-        _check(self, non_negative=("weight_decay", "adam_eps", "clip_grad"))
-        for name in ("adam_beta1", "adam_beta2"):
+        _check(self, non_negative=("weight_decay", "adam_eps", "clip_grad"), positive=("muon_ns_steps",))
+        for name in ("adam_beta1", "adam_beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name} {getattr(self, name)}: must be in [0, 1)")
+        if self.muon_lr is not None and self.muon_lr <= 0:
+            raise ConfigError(f"--muon_lr {self.muon_lr}: must be > 0")
 
 
 @dataclass

@@ -123,6 +123,13 @@ def prepare(
         raise ConfigError(
             "--nan_policy skip needs zero_optimization.stage >= 1 (stage 0 cannot skip an update)"
         )
+    if stage == 0 and precision == "bf16":
+        # DeepSpeed's bf16 wrapper without ZeRO keeps the fp32 master weights and moments in flat buffers that
+        # its own accessors do not reach: a checkpoint would hold bf16 weights and its first save fail.
+        raise ConfigError(
+            "zero_optimization.stage=0 with bf16: not supported (DeepSpeed's fp32 master copy there is not "
+            "checkpointable); use --config zero1, the same training with the master copy partitioned"
+        )
     try:
         dims.validate(cfg, stage, offload=offload)
     except ValueError as exc:

@@ -63,7 +63,7 @@ CUDA_RESERVE = 2 * GIB
 """Per GPU beyond live tensors: the CUDA context and kernels (~0.5-1 GiB), NCCL's buffers, fragmentation."""
 CHECKPOINTING = ("none", "mlp", "attention", "full")
 
-PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + AdamW)", "gradients"
+PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + AdamW / Muon)", "gradients"
 ACTS, WORK, BUCKETS = "activations", "working memory", "communication buckets"
 GATHERED, RESERVE = "gathered ZeRO-3 parameters", "CUDA context, NCCL, fragmentation"
 
@@ -87,6 +87,9 @@ class Workload:
     pp_partition: str = "parameters"
     dsa_stage: str = "sparse"
     """Sparse attention's stage (dense, sparse or frozen): what the indexers and the attention keep."""
+    optimizer: str = "adamw"
+    """adamw: two fp32 moments per parameter; muon: one momentum buffer for the hidden matrices (AdamW's two
+    for the embedding, the head and the vectors), and each matrix gathered whole in fp32 while it steps."""
 
     @classmethod
     def of(cls, plan: RunPlan) -> Workload:
@@ -104,6 +107,7 @@ class Workload:
             device=plan.device_type,
             pp_partition=o.layout.pp_partition,
             dsa_stage=o.model.dsa_stage,
+            optimizer=o.optimizer.optimizer,
         )
 
     def replace(self, **changes: Any) -> Workload:
@@ -132,6 +136,10 @@ class Layer:
     """Elements of each parameter tensor this rank holds, routed experts apart."""
     experts: int = 0
     """Routed-expert elements this rank holds (partitioned over the expert-data-parallel group)."""
+    vectors: int = 0
+    """Elements of 1-D tensors (norm gains, biases) among `tensors`."""
+    matrices: bool = True
+    """Whether its matrices are hidden ones (Muon's); False for the embedding and the head (AdamW's)."""
     saved: int = 0
     """Activations saved for backward."""
     forward: int = 0
@@ -146,6 +154,11 @@ class Layer:
     @property
     def params(self) -> int:
         return self.dense + self.experts
+
+    @property
+    def muon(self) -> int:
+        """Elements Muon steps when the run uses it."""
+        return self.dense - self.vectors + self.experts if self.matrices else 0
 
 
 class _Shapes:
@@ -170,6 +183,12 @@ class _Shapes:
         bias = [rkv + c.qk_rope_head_dim, d] + ([rq] if rq else []) if c.attention_bias else []
         return q + kv + [h * c.v_head_dim * d] + bias
 
+    def attention_vectors(self) -> int:
+        """Elements of the 1-D tensors among `attention_tensors` (the latent norms, the biases)."""
+        c = self.cfg
+        d, rq, rkv = c.hidden_size, c.q_lora_rank or 0, c.kv_lora_rank
+        return rq + rkv + ((rkv + c.qk_rope_head_dim + d + rq) if c.attention_bias else 0)
+
     def indexer_tensors(self) -> list[int]:
         """The lightning indexer (sparse attention): replicated under tensor parallelism."""
         c = self.cfg
@@ -186,9 +205,12 @@ class _Shapes:
 
     def _block(self, moe: bool, indexer: bool = False) -> Layer:
         c, d = self.cfg, self.cfg.hidden_size
-        layer = Layer("block", tensors=[d, d, *self.attention_tensors()])
+        layer = Layer(
+            "block", tensors=[d, d, *self.attention_tensors()], vectors=2 * d + self.attention_vectors()
+        )
         if indexer:
             layer.tensors += self.indexer_tensors()
+            layer.vectors += 2 * c.index_head_dim  # its key LayerNorm
         if moe:
             shared = c.moe_intermediate_size * c.n_shared_experts // self.tp
             layer.tensors += [c.n_routed_experts * d] + ([d * shared] * 3 if shared else [])
@@ -202,14 +224,21 @@ class _Shapes:
         c = self.cfg
         # with MTP the embedding runs twice: its second gradient exists until it is added to the first
         again = c.vocab_size * c.hidden_size * self.a if c.num_nextn_predict_layers else 0
-        return Layer("embedding", tensors=[c.vocab_size * c.hidden_size], backward=again)
+        return Layer("embedding", tensors=[c.vocab_size * c.hidden_size], backward=again, matrices=False)
 
     def head(self) -> Layer:
         """The final norm and the output head (its cross-entropy is `loss`)."""
         c = self.cfg
         d = c.hidden_size
         own = [] if c.tie_word_embeddings else [c.vocab_size * d]
-        return Layer("head", tensors=[d, *own], saved=self.norm(d), backward=3 * self.n * d * self.a)
+        return Layer(
+            "head",
+            tensors=[d, *own],
+            saved=self.norm(d),
+            backward=3 * self.n * d * self.a,
+            vectors=d,
+            matrices=False,
+        )
 
     def loss(self, name: str) -> Layer:
         """A cross-entropy through the head (loss.py): keeps d input and a head-sized d weight; while it runs,
@@ -227,6 +256,7 @@ class _Shapes:
         layer = self.block(c.num_hidden_layers + depth - 1)
         layer.name = f"MTP {depth}"
         layer.tensors += [d, d, 2 * d * d, d]
+        layer.vectors += 3 * d
         layer.saved += 3 * self.norm(d) + self.n * 2 * d * self.a
         return layer
 
@@ -404,6 +434,13 @@ class _Stage:
         self.params = sum(x.params for x in layers)
         self.dense, self.experts = sum(x.dense for x in layers) / d.dp, sum(x.experts for x in layers) / d.edp
         self.part = self.dense + self.experts  # this rank's ZeRO partition (elements)
+        muon = self.w.optimizer == "muon"
+        self.muon_held = sum(x.muon for x in layers) if muon else 0  # Muon's elements, whole and partitioned
+        self.muon = sum(x.muon - x.experts for x in layers) / d.dp + self.experts if muon else 0.0
+        # the largest tensor Muon gathers whole: a matrix, or this rank's experts' gate_up_proj
+        self.largest = (
+            max((max([*x.tensors, 2 * x.experts // 3]) for x in layers if x.muon), default=0) if muon else 0
+        )
 
     def static(self) -> tuple[dict[str, float], float]:
         """-> (what the whole run holds, host bytes for offloaded states)."""
@@ -417,6 +454,7 @@ class _Stage:
         else:
             out[PARAMS] = self.params * a
         states = part * 12 if w.stage >= 1 else self.params * (12 if a == 2 else 8)
+        states -= 4 * (self.muon if w.stage >= 1 else self.muon_held)  # Muon: one fp32 buffer, not two
         out[STATES] = 0 if z.offload_optimizer else states
         host += states if z.offload_optimizer else 0
         if w.stage == 3:  # the flat gradient partition and the reduce bucket
@@ -511,7 +549,11 @@ class _Stage:
             group = max(self.dense, self.experts) if w.dims.ep > 1 else self.part
             group = min(group, z.sub_group) if w.stage == 3 else group
             grads = self.part * a if w.stage < 3 else 0  # ZeRO-3's partition is static
-            out["optimizer step"] = {GRADS: grads, WORK: group * (a + (4 if a == 2 else 0))}
+            # Muon: the gathered matrix, its update and Newton-Schulz's temporaries, fp32
+            out["optimizer step"] = {
+                GRADS: grads,
+                WORK: group * (a + (4 if a == 2 else 0)) + 12 * self.largest,
+            }
         if w.stage in (1, 2) and w.device == "cpu":
             out["parameter all-gather"] = {BUCKETS: self.params * a}
         return out

@@ -104,8 +104,11 @@ def layouts(w: Workload, world: int, offload: bool) -> Iterator[tuple[int, Paral
     optimizer (and under ZeRO-3 the parameters) in host memory."""
     cfg = w.model
     zero = {k: v for k, v in w.zero.items() if k not in OFFLOADS}
+    muon = w.optimizer == "muon"  # Newton-Schulz on whole matrices (no TP), on the accelerator (no offload)
+    if muon and offload:
+        return
     for stage, pp, tp in itertools.product((1, 2, 3), _divisors(world), _divisors(world)):
-        if world % (pp * tp) or pp > cfg.num_hidden_layers:
+        if world % (pp * tp) or pp > cfg.num_hidden_layers or (muon and tp > 1):
             continue
         for ep in _divisors(world // (pp * tp)):
             try:

@@ -24,7 +24,7 @@ from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses
 
-from . import objective, watchdog
+from . import objective, optimizer, watchdog
 from .build import build_for_training
 from .evaluate import Evaluator, local_batches
 from .metrics import Display, MetricsSink, Profiler, RunLog, device_peak_tflops, finite_or_none
@@ -33,21 +33,6 @@ from .preempt import Preemption
 from .schedule import make_scheduler_factory
 
 log = logging.getLogger("dstrain.train")
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: norms' gains and biases are not penalised (the expert bias is a buffer). Named, so
-    DeepSpeed can split expert-parallel weights into groups of their own."""
-
-    def ndim(p: torch.Tensor) -> int:  # a ZeRO-3 partitioned parameter is flat; its ds_shape is the real one
-        return len(getattr(p, "ds_shape", p.shape))
-
-    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
-    return [
-        {"name": "decay", "params": decay, "weight_decay": weight_decay},
-        {"name": "no_decay", "params": rest, "weight_decay": 0.0},
-    ]
 
 
 class Trainer:
@@ -127,14 +112,18 @@ class Trainer:
                 torch._functorch.config.donated_buffer = False
             model.compile_blocks()
         model.train()
+        choice = optimizer.choose(self.plan, model, module)
+        self._show_optimizer_table(choice.table)
         self.engine, _, _, _ = deepspeed.initialize(
             model=module,
-            model_parameters=param_groups(module, opts.optimizer.weight_decay),
-            config=self.plan.ds,
+            model_parameters=choice.model_parameters,
+            optimizer=choice.optimizer,
+            config=choice.config,
             lr_scheduler=make_scheduler_factory(opts.schedule),
             mpu=None if self.pipe else mpu,
             dist_init_required=False,
         )
+        optimizer.after_initialize(self.engine, choice)
         if self.dims.model_parallel:
             from dstrain.parallel.gradnorm import install_global_grad_norm
 
@@ -145,6 +134,17 @@ class Trainer:
         store.install_safe_loading(self.engine)
         if self.resume_path is not None:
             self._resume(self.resume_path)
+
+    def _show_optimizer_table(self, table: str | None) -> None:
+        """Which optimizer steps each parameter (Muon runs only): printed, and written to the run folder."""
+        if table is None or not self.info.is_main:
+            return
+        from dstrain.atomic import write_atomic
+
+        os.makedirs(self.output_dir, exist_ok=True)
+        write_atomic(os.path.join(self.output_dir, optimizer.TABLE_FILE), table + "\n")
+        if self.verbose:
+            print(f"dstrain: optimizer groups\n{table}", flush=True)
 
     def _pipe_objective(self, out: Any, n_global: torch.Tensor) -> torch.Tensor:
         return objective.micro_loss(out, n_global, self.scale, self.weights)
@@ -186,6 +186,7 @@ class Trainer:
     def _resume(self, path: str) -> None:
         from pathlib import Path
 
+        optimizer.check_resume(Path(path), self.opts.optimizer.optimizer)
         state = store.load(self.engine, Path(path), self.info.rank, self.layout(), self.model)
         resharded = state.get("resharded")
         if self.dims.model_parallel and not resharded:
@@ -408,6 +409,7 @@ class Trainer:
             "rng": store.rng_state(),
             "wandb_run_id": self.wandb_run_id,
             "model": self.opts.model.model,
+            "optimizer": self.opts.optimizer.optimizer,
         }
 
     def save(self) -> str:

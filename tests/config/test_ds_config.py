@@ -115,6 +115,11 @@ def test_shipped_configs_resolve_from_options():
             "allgather_bucket_size='auto'",
         ),
         ({"zero_optimization": {"stage": 0}}, ["--nan_policy", "skip"], "--nan_policy skip needs"),
+        (
+            {"zero_optimization": {"stage": 0}},
+            ["--precision", "bf16"],
+            "zero_optimization.stage=0 with bf16: not",
+        ),
     ],
 )
 def test_ds_config_errors_name_key_and_value(patch, extra, message, tmp_path):

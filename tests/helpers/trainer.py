@@ -128,16 +128,24 @@ def reference_run(
     """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective.
     `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
     from dstrain.model import build_model
+    from dstrain.optim.groups import adamw_groups
     from dstrain.training.objective import LossWeights, count_targets, micro_loss
     from dstrain.training.schedule import make_scheduler_factory
-    from dstrain.training.trainer import param_groups
+    from tests.helpers.muon import ReferenceMuon, uses_muon
 
     o, s = opts.optimizer, opts.schedule
     torch.manual_seed(opts.run.seed)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = None
+    if o.optimizer == "muon":  # the test's own Muon on the matrices, AdamW on the rest
+        muon = ReferenceMuon(
+            [(n, p) for n, p in trained if uses_muon(n, p)], s.lr, o.weight_decay, o.muon_momentum
+        )
+        trained = [(n, p) for n, p in trained if not uses_muon(n, p)]
     opt = torch.optim.AdamW(  # fused, as dstrain's resolved config has torch's AdamW run
-        param_groups(model, o.weight_decay),
+        adamw_groups([p for _, p in trained], o.weight_decay),
         lr=s.lr,
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,
@@ -161,8 +169,10 @@ def reference_run(
         norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm()
         if o.clip_grad > 0 and o.clip_grad / (float(norm) + 1e-6) < 1:
             torch._foreach_mul_(grads, o.clip_grad / (float(norm) + 1e-6))
+        if muon is not None:
+            muon.step(opt.param_groups[0]["lr"])
         opt.step()
-        opt.zero_grad()
+        model.zero_grad()
         sched.step()
         model.update_expert_bias(out.expert_load)
         rec = {"loss": float(loss.detach()), "grad_norm": float(norm)}

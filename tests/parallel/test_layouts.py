@@ -17,7 +17,7 @@ import torch
 from tests.helpers.ranks import launch
 from tests.helpers.tiny import tiny_config, tiny_dsa_config
 from tests.helpers.trainer import make_options, reference_run
-from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, RESHARD, RESHARD_DSA, STEPS, common
+from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, MUON, RESHARD, RESHARD_DSA, STEPS, common
 
 pytestmark = [pytest.mark.multirank, pytest.mark.parallel]
 
@@ -28,6 +28,7 @@ TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' spl
 # DeepSeek Sparse Attention, sparse stage: V3.2 in every layout; GLM-5's shared layer alone on a pipeline stage
 TWO_DSA = ["dsa_z3", "dsa_pp2", "glm_pp2", "dsa_tp2", "dsa_ep2", "dsa_sp2"]
 BF16 = ["pp2_bf16", "tp2_bf16", "ep2_bf16"]  # against dp2_bf16
+TWO_MUON = ["muon_z0", "muon_z1", "muon_z2", "muon_z3", "muon_ep2", "muon_pp2", "muon_sp2", "muon_ep2_lora"]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,30 @@ def reference():
     return hist, state
 
 
-@pytest.fixture(scope="module")
-def lora_reference():
+def _lora_reference(extra: str = ""):
     from dstrain.model import build_model
     from dstrain.training.finetune import apply_finetune_options
 
-    opts = make_options([*common(1).split(), *LORA.split()])
+    opts = make_options([*common(1).split(), *LORA.split(), *extra.split()])
     model = build_model(tiny_config(), seed=opts.run.seed)
     apply_finetune_options(model, opts.lora, opts.run.seed)
     state: dict = {}
     hist = reference_run(tiny_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state, model=model)
     return hist, state
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    return _lora_reference()
+
+
+@pytest.fixture(scope="module")
+def muon_reference():
+    """One process with the test's own Muon (tests/helpers/muon.py), LoRA with it too."""
+    opts = make_options([*common(1).split(), *MUON.split()])
+    state: dict = {}
+    hist = reference_run(tiny_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state)
+    return {"full": (hist, state), "lora": _lora_reference(MUON)}
 
 
 def _launch(tmp, nproc: int, layouts: list[str], src=None):
@@ -80,7 +94,7 @@ def dsa_two_rank(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("par2")
-    return tmp, _launch(tmp, 2, TWO + TWO_LORA)
+    return tmp, _launch(tmp, 2, TWO + TWO_LORA + TWO_MUON)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +155,34 @@ def test_two_rank_layouts_match_one_process(two_rank, reference, name):
 def test_lora_layouts_match_one_process(two_rank, lora_reference, name):
     tmp, res = two_rank
     print(name, _check(tmp, name, res[name], lora_reference, lora=True))
+
+
+@pytest.mark.parametrize("name", TWO_MUON)
+def test_muon_layouts_match_one_process(two_rank, muon_reference, name):
+    """Muon in every layout it supports, 8 steps with clipping binding, against a plain single-process Muon
+    written from the paper's rule: each matrix's slices gathered over its data-parallel (or expert-data-
+    parallel) ranks, orthogonalised whole, per expert and per gate/up half; the pipeline's stages apart."""
+    tmp, res = two_rank
+    lora = name.endswith("_lora")
+    print(name, _check(tmp, name, res[name], muon_reference["lora" if lora else "full"], lora=lora))
+
+
+@pytest.mark.parametrize(
+    ("muon", "adamw"), [("muon_z1", "dp2_z1"), ("muon_z3", "dp2_z3"), ("muon_ep2", "ep2_z2")]
+)
+def test_muon_state_bytes_are_the_estimate(two_rank, muon, adamw):
+    """What the optimizer keeps per rank (fp32 master and state tensors, measured on rank 0) is `dstrain plan`'s
+    estimate to the byte, for Muon (one momentum buffer per hidden matrix) and AdamW (two moments)."""
+    from dstrain.config.plan import prepare
+    from dstrain.memory.estimate import STATES, Workload, estimate
+    from tests.parallel.worker import LAYOUTS
+
+    _, res = two_rank
+    for name in (muon, adamw):
+        plan = prepare(make_options(f"{LAYOUTS[name]} {common(2)}".split()), 2, model=tiny_config())
+        assert res[name]["state_bytes"] == estimate(Workload.of(plan)).terms[STATES], name
+    print(muon, res[muon]["state_bytes"], adamw, res[adamw]["state_bytes"])
+    assert res[muon]["state_bytes"] < 0.8 * res[adamw]["state_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -267,13 +309,13 @@ def resharded(two_rank, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run", [f"{t}@{s}" for n in (1, 2, 4) for t, s in RESHARD[n]])
-def test_resume_on_another_layout(two_rank, resharded, reference, lora_reference, run):
+def test_resume_on_another_layout(two_rank, resharded, reference, lora_reference, muon_reference, run):
     """A checkpoint of one layout continues on another (world size, ZeRO stage, PP/TP/EP degree; LoRA
     adapters, per-expert ones included, and their moments): the 5 resumed steps' losses and grad norms are
     the uninterrupted run's (the source layout's own, and one process's) within 1e-5."""
     source = run.split("@")[1]
     got = resharded[run]
-    one = (lora_reference if "lora" in run else reference)[0][3:]
+    one = (muon_reference["full"] if "muon" in run else lora_reference if "lora" in run else reference)[0][3:]
     assert [h["step"] for h in got] == list(range(4, STEPS + 1))
     dev = {}
     for label, want in (("source", two_rank[1][source]["history"][3:]), ("one process", one)):

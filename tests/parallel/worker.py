@@ -25,7 +25,8 @@ LORA = (
     "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts,gate"
 )
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
-DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"  # a coefficient that makes the indexers' share visible
+DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"
+MUON = "--optimizer muon"  # a coefficient that makes the indexers' share visible
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
     "tp2": "--config zero1 --tp 2",
@@ -65,6 +66,17 @@ LAYOUTS = {  # name -> flags
     "dsa_ep2": f"--config zero2 --ep 2 {DSA}",
     "dsa_sp2": f"--config zero1 --sp 2 {DSA}",
     "dsa_dp1": f"--config zero1 {DSA}",
+    # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
+    # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
+    "muon_z0": f"--config {{out}}/zero0.json {MUON}",
+    "muon_z1": f"--config zero1 {MUON}",
+    "muon_z2": f"--config zero2 {MUON}",
+    "muon_z3": f"--config zero3 {MUON}",
+    "muon_ep2": f"--config zero2 --ep 2 {MUON}",
+    "muon_pp2": f"--config zero1 --pp 2 {MUON}",
+    "muon_sp2": f"--config zero2 --sp 2 {MUON}",
+    "muon_ep2_lora": f"--config zero2 --ep 2 {MUON} {LORA}",
+    "muon_dp1": f"--config zero1 {MUON}",
     # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
     # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
     "dp2_bf16": "--config {out}/zero1_overlap.json --precision bf16",
@@ -75,9 +87,10 @@ LAYOUTS = {  # name -> flags
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
     1: [("dp1_z1", "dp2_z1"), ("dp1_z2", "dp2_z2"), ("dp1_z3", "dp2_z3"), ("dp1_z1", "ep2_z1")]
-    + [("dp1_z1", "pp2"), ("dp1_z1", "tp2"), ("dp1_z0", "dp2_z3"), ("dp1_lora", "ep2_lora")],
+    + [("dp1_z1", "pp2"), ("dp1_z1", "tp2"), ("dp1_z0", "dp2_z3"), ("dp1_lora", "ep2_lora")]
+    + [("muon_dp1", "muon_ep2")],
     2: [("ep2_z2", "dp2_z2"), ("dp2_z1", "pp2"), ("pp2", "dp2_z1"), ("tp2", "dp2_z1"), ("sp2_z1", "dp2_z1")]
-    + [("tp2_lora", "ep2_lora")],
+    + [("tp2_lora", "ep2_lora"), ("muon_z3", "muon_pp2")],
     4: [("dp4_z1", "dp2_z1"), ("dp4_z2", "dp2_z2"), ("dp4_z3", "dp2_z3")],
 }
 # Sparse attention: ranks -> (target, source) as RESHARD
@@ -147,6 +160,7 @@ def trainer(
 
 def main(out: str, layouts: list[str]) -> None:
     from dstrain import dist
+    from dstrain.training import optimizer
 
     info = dist.init_distributed()
     Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
@@ -160,6 +174,7 @@ def main(out: str, layouts: list[str]) -> None:
         tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
         drawn, held = tr.load_stats["bytes_drawn"], held_bytes(tr.model)
         tr.run()
+        states = optimizer.state_bytes(tr.engine)
         wall = time.perf_counter() - t0
         hist = [
             {k: r.get(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "indexer_loss")}
@@ -184,6 +199,7 @@ def main(out: str, layouts: list[str]) -> None:
                 "eval": evals,
                 "eval_resumed": tr.eval_history,
                 "fresh": {"drawn": drawn, "held": held},  # rank 0's, fp32 bytes
+                "state_bytes": states,  # rank 0's optimizer: fp32 master and state tensors
             }
             Path(f"{base}.json").write_text(json.dumps(res))
         dist.barrier()

@@ -1,0 +1,93 @@
+"""The optimizer a run hands deepspeed.initialize: DeepSpeed's configured AdamW (two groups), or dstrain's Muon
+with AdamW beside it (dstrain.optim) as a client optimizer, classified on the model's canonical names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dstrain.checkpoint.store import read_state
+from dstrain.config.plan import RunPlan
+from dstrain.errors import CheckpointError
+from dstrain.optim.groups import MuonSettings, adamw_groups, classify, param_groups, table_text
+from dstrain.optim.muon import MuonAdamW, bind
+
+TABLE_FILE = "optimizer_groups.txt"
+
+
+@dataclass
+class Choice:
+    """What deepspeed.initialize gets: `optimizer` (Muon) or `model_parameters` (DeepSpeed's AdamW), the
+    config without the optimizer section when dstrain's own optimizer runs, and the classification table."""
+
+    config: dict[str, Any]
+    model_parameters: list[dict[str, Any]] | None = None
+    optimizer: MuonAdamW | None = None
+    table: str | None = None
+
+
+def muon_settings(plan: RunPlan) -> MuonSettings:
+    t, s = plan.opts.optimizer, plan.opts.schedule
+    return MuonSettings(
+        lr=float(t.muon_lr if t.muon_lr is not None else s.lr),
+        momentum=t.muon_momentum,
+        nesterov=t.muon_nesterov,
+        ns_steps=t.muon_ns_steps,
+        scale=t.muon_scale,
+        per_head=t.muon_per_head,
+        adapters=t.muon_adapters,
+    )
+
+
+def choose(plan: RunPlan, model: nn.Module, module: nn.Module) -> Choice:
+    """`model`: the single-device view with canonical names (other pipeline stages' layers on meta); `module`:
+    what DeepSpeed trains (the same parameter objects, this rank's)."""
+    t = plan.opts.optimizer
+    if t.optimizer == "adamw":
+        trained = [p for p in module.parameters() if p.requires_grad]
+        return Choice(plan.ds, model_parameters=adamw_groups(trained, t.weight_decay))
+    held = {id(p) for p in module.parameters()}
+    everywhere = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    mine = [(n, p) for n, p in everywhere if id(p) in held]
+    muon = muon_settings(plan)
+    groups, _ = param_groups(mine, plan.model, t.weight_decay, muon)
+    betas = (t.adam_beta1, t.adam_beta2)
+    lr = plan.opts.schedule.lr
+    fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
+    opt = MuonAdamW(groups, lr=lr, betas=betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=fused)
+    config = {k: v for k, v in plan.ds.items() if k != "optimizer"}
+    return Choice(config, optimizer=opt, table=table_text(classify(everywhere, plan.model, muon)))
+
+
+def check_resume(path: Path, optimizer: str) -> None:
+    """A checkpoint continues only with the optimizer that wrote its state (before Muon: AdamW)."""
+    saved = read_state(path).get("optimizer", "adamw")
+    if saved != optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with --optimizer {saved}, this run has --optimizer {optimizer}: its "
+            "optimizer state cannot continue; start a new run from its export (--model FOLDER) to switch"
+        )
+
+
+def after_initialize(engine: Any, choice: Choice) -> None:
+    """Muon: where each parameter's slices live under the engine's ZeRO / bf16 optimizer."""
+    if choice.optimizer is not None:
+        bind(engine.optimizer, choice.optimizer)
+
+
+def state_bytes(engine: Any) -> int:
+    """Bytes of what the optimizer keeps for this rank: the fp32 master copy of each trained tensor (or ZeRO
+    partition) and its state tensors (AdamW's two moments, Muon's momentum; not the step counters)."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)
+    total = 0
+    for p, state in base.state.items():
+        total += p.numel() * 4 if p.dtype == torch.float32 else 0
+        total += sum(
+            v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim()
+        )
+    return total
