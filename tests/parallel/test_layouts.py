@@ -188,25 +188,37 @@ def test_muon_state_bytes_are_the_estimate(two_rank, muon, adamw):
 @pytest.fixture(scope="module")
 def bf16_two_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bf16")
-    return tmp, _launch(tmp, 2, ["dp2_bf16", *BF16])
+    return tmp, _launch(tmp, 2, ["dp2_bf16", *BF16, "muon_ep2_bf16"])
 
 
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_layouts_with_overlapped_reductions(bf16_two_rank, reference, name):
     """The GPU configuration on gloo (gpu_readiness #16, N14): bf16 weights and activations, ZeRO's reductions
-    overlapped with backward: 8 steps' losses and global grad norms equal data parallel's (the same bf16
-    arithmetic; a stage's or a double-counted norm would differ by far more) and stay within bf16's error of
-    one fp32 process."""
+    overlapped with backward: 8 steps' losses and global grad norms within bf16's rounding of data parallel's
+    (each layout rounds its own partial sums: up to 8.5e-4 seen; a stage's or a double-counted norm would be off
+    by tens of %) and of one fp32 process. (Until this test's layouts gave --precision after the common flags,
+    its runs were fp32.)"""
     _, res = bf16_two_rank
     got, dp = res[name]["history"], res["dp2_bf16"]["history"]
-    assert _rel(got[0]["grad_norm"], reference[0][0]["grad_norm"]) <= 3e-2  # bf16's own error (1.7e-2 seen)
-    for g, d, w in zip(got, dp, reference[0], strict=True):  # 1e-7 seen against data parallel
-        assert _rel(g["loss"], d["loss"]) <= 1e-4 and _rel(g["grad_norm"], d["grad_norm"]) <= 1e-4, (
+    assert got[0]["grad_norm"] != reference[0][0]["grad_norm"]  # bf16 arithmetic, not fp32's
+    assert _rel(got[0]["grad_norm"], reference[0][0]["grad_norm"]) <= 3e-2
+    for g, d, w in zip(got, dp, reference[0], strict=True):
+        assert _rel(g["loss"], d["loss"]) <= 3e-3 and _rel(g["grad_norm"], d["grad_norm"]) <= 3e-3, (
             name,
             g,
             d,
         )
         assert _rel(g["loss"], w["loss"]) <= 2e-2, (name, g, w)
+
+
+def test_muon_in_bf16_with_overlapped_reductions(bf16_two_rank, muon_reference):
+    """Muon steps the fp32 master slices of a bf16 run like an fp32 one's: within bf16's error of one fp32
+    process's Muon, clipping binding."""
+    _, res = bf16_two_rank
+    for got, want in zip(res["muon_ep2_bf16"]["history"], muon_reference["full"][0], strict=True):
+        assert (
+            _rel(got["loss"], want["loss"]) <= 2e-2 and _rel(got["grad_norm"], want["grad_norm"]) <= 5e-2
+        ), (got, want)
 
 
 @pytest.mark.parametrize("name", TWO_DSA)

@@ -83,6 +83,7 @@ LAYOUTS = {  # name -> flags
     "pp2_bf16": "--config {out}/zero1_overlap.json --precision bf16 --pp 2",
     "tp2_bf16": "--config {out}/zero1_overlap.json --precision bf16 --tp 2",
     "ep2_bf16": "--config {out}/zero2_overlap.json --precision bf16 --ep 2",
+    "muon_ep2_bf16": f"--config {{out}}/zero2_overlap.json --precision bf16 --ep 2 {MUON}",
 }
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
@@ -152,7 +153,7 @@ def trainer(
 
     cfg = cfg or tiny_config()
     dp = prepare(make_options(flags.split()), info.world_size, model=cfg).dims.data
-    opts = make_options(f"{flags} {common(dp)} {extra}".split())
+    opts = make_options(f"{common(dp)} {flags} {extra}".split())  # the layout's flags win (--precision)
     return make_trainer(
         opts, out_dir, info, cfg=cfg, resume=resume, eval_rows=eval_rows() if evaluate else None
     )
