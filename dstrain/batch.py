@@ -2,7 +2,9 @@
 
 A batch is a dict of LongTensors (B, T): `input_ids`; `labels`, unshifted (position t's label is the token
 at t, predicted from t-1), IGNORE_INDEX where nothing is to be learned; `position_ids`, restarting at 0 at
-every packed document, so that nothing attends or predicts across documents.
+every packed document, so that nothing attends or predicts across documents, and PAD_POSITION where a row
+holds no token (the padding after its last document): such positions are no target, and no router counts them
+(the balance loss and the expert loads are over the row's tokens).
 """
 
 from __future__ import annotations
@@ -11,6 +13,29 @@ import torch
 
 IGNORE_INDEX = -100
 """A label that is not a target (the Hugging Face / PyTorch cross-entropy convention)."""
+PAD_POSITION = -1
+"""The position id of padding: no token (it attends within the row's last document, and nothing reads it)."""
+
+
+def real_tokens(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T) bool of the positions that hold a token, or None when every one does (one host sync)."""
+    if position_ids is None:
+        return None
+    real = position_ids != PAD_POSITION
+    return None if bool(real.all()) else real
+
+
+def real_pairs(
+    position_ids: torch.Tensor | None, b: int, t: int, k: int, device: torch.device
+) -> torch.Tensor:
+    """(B, t) bool: MTP depth k's positions that hold a token and whose token k ahead (its input) is one too;
+    past the end of the row there is none (`position_ids` may run past t: a sequence-parallel halo)."""
+    if position_ids is None:
+        position_ids = torch.arange(t, device=device).expand(b, t)
+    real = position_ids != PAD_POSITION
+    ahead = real[:, k : k + t]
+    ahead = torch.nn.functional.pad(ahead, (0, t - ahead.shape[1]), value=False)
+    return real[:, :t] & ahead
 
 
 def target_mask(labels: torch.Tensor, position_ids: torch.Tensor | None, shift: int) -> torch.Tensor:
@@ -41,7 +66,7 @@ def sequence_shard(
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(t, device=ids.device).expand(b, t)
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": PAD_POSITION}
     out = {}
     for key, x in (("input_ids", ids), ("labels", batch["labels"]), ("position_ids", pos)):
         part = x[:, rank * c : (rank + 1) * c + halo]

@@ -7,8 +7,8 @@ Row layout (the contract in docs/interfaces.md):
   continuation's first token is never a target, so nothing ever learns to predict it from the previous
   document), on padding and, for SFT, on every token that is not part of a trained assistant reply.
 - Pretraining documents end with EOS, which is a target (the last token predicts EOS).
-- Padding appears only when a row cannot be filled (SFT, or packing off); it is its own position run
-  starting at 0, with the pad id (EOS when the tokenizer has no pad token) and labels -100.
+- Padding appears only when a row cannot be filled (SFT, or packing off): the pad id (EOS when the tokenizer
+  has no pad token), labels -100 and position id PAD_POSITION (-1): no token, which no router counts.
 
 Pretraining rows are filled completely: documents are concatenated and split at row boundaries.
 SFT rows hold whole samples, packed by best-fit decreasing over a pool of up to `pack_buffer` distinct
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dstrain.batch import IGNORE_INDEX
+from dstrain.batch import IGNORE_INDEX, PAD_POSITION
 from dstrain.errors import DataError
 
 from .formats import Skip
@@ -59,8 +59,8 @@ def assemble(rows: list[list[Piece]], seq_len: int, pad_id: int) -> dict[str, np
                 for a, b in targets:
                     trained[r, p + a : p + b] = True
             p += k
-        pos[r, p:] = ar[: seq_len - p]
-    trained &= pos != 0
+        pos[r, p:] = PAD_POSITION
+    trained &= pos > 0
     return {"input_ids": ids, "labels": np.where(trained, ids, IGNORE_INDEX), "position_ids": pos}
 
 

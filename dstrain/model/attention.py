@@ -169,6 +169,7 @@ class AttentionLayout:
     max_seqlen: int = 0  # the row length: a bound the varlen kernels take, the same for every batch
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, k) chosen keys
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its indexer's figures
+    real: torch.Tensor | None = None  # (B, T_local) bool: positions holding a token; None = all (batch.py)
 
 
 _logged: set[str] = set()

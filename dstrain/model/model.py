@@ -7,6 +7,7 @@ run as grouped GEMMs with no host sync (experts.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import sequence_halo, target_mask
+from dstrain.batch import real_pairs, real_tokens, sequence_halo, target_mask
 
 from .attention import (
     AttentionLayout,
@@ -216,8 +217,11 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call."""
+    def forward(
+        self, x: torch.Tensor, real: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call. `real` (B, T) bool:
+        the positions holding a token (None: all); padding is computed but counted nowhere."""
         b, t, d = x.shape
         cfg = self.cfg
         scores, idx, weights = self.gate(x.reshape(-1, d))
@@ -226,16 +230,21 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         # Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20): per row, sum_i f_i * P_i with
-        # f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity.
-        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(
-            1, idx.view(b, t * k), torch.ones(b, t * k, device=x.device)
-        )
+        # f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity, T the row's tokens.
+        ones = torch.ones(b, t * k, device=x.device) if real is None else real.repeat_interleave(k, 1).float()
+        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(1, idx.view(b, t * k), ones)
         sp = self.seq_parallel
         # Sequence parallel: f of the whole rows, P of this rank's tokens; the mean over the group of
         # sum_i f_i * P_i(local) is the rows' loss, and DeepSpeed averages the group's gradients.
-        f = (sp.sum(load_per_row) if sp else load_per_row) * (e / (k * t * (sp.size if sp else 1)))
         normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
-        p = normed.view(b, t, e).mean(dim=1)
+        if real is None:
+            f = (sp.sum(load_per_row) if sp else load_per_row) * (e / (k * t * (sp.size if sp else 1)))
+            p = normed.view(b, t, e).mean(dim=1)
+        else:
+            here = real.sum(dim=1, keepdim=True).float()  # (B, 1) tokens of each row on this rank
+            row = (sp.sum(here) if sp else here).clamp(min=1)
+            f = (sp.sum(load_per_row) if sp else load_per_row) * (e / k) / row
+            p = (normed.view(b, t, e) * real[..., None]).sum(dim=1) * ((sp.size if sp else 1) / row)
         aux = (f * p).sum(dim=1).mean()
         return out, aux, load_per_row.sum(0)
 
@@ -252,7 +261,7 @@ class Block(nn.Module):
     def forward(self, x, rope, layout):  # noqa: ANN001 - called through checkpoint()
         x = x + self._sublayer("attention", self._attention, x, rope, layout)
         if isinstance(self.mlp, MoE):
-            out, aux, load = self._sublayer("mlp", self._ffn, x)
+            out, aux, load = self._sublayer("mlp", self._ffn, x, layout.real)
             return x + out, aux, load
         return x + self._sublayer("mlp", self._ffn, x), None, None
 
@@ -266,8 +275,8 @@ class Block(nn.Module):
     def _attention(self, x, rope, layout):  # noqa: ANN001, ANN202
         return self.self_attn(self.input_layernorm(x), rope, layout)
 
-    def _ffn(self, x):  # noqa: ANN001, ANN202
-        return self.mlp(self.post_attention_layernorm(x))
+    def _ffn(self, x, *real):  # noqa: ANN001, ANN002, ANN202 - real: the MoE's token mask
+        return self.mlp(self.post_attention_layernorm(x), *real)
 
 
 @torch.compiler.disable
@@ -505,6 +514,7 @@ class DeepSeekLM(nn.Module):
         sp = self.seq_parallel
         whole = sp.gather(pos) if sp else position_ids  # the mask spans whole rows
         layout = attention_layout(whole, b, t * (sp.size if sp else 1), device)
+        layout.real = real_tokens(position_ids)  # this rank's tokens (padding: no token)
         return self._rope(pos), layout
 
     @property
@@ -559,7 +569,9 @@ class DeepSeekLM(nn.Module):
             prev = main_hidden
             for k, mtp in enumerate(self.mtp, start=1):
                 x = mtp.eh_proj(torch.cat([mtp.enorm(ahead(k)), mtp.hnorm(prev)], dim=-1))
-                prev, block_aux, load = self.run_block(mtp.block, x, rope, layout)
+                # a position whose look-ahead token is padding holds no pair: its router counts nothing
+                depth = dataclasses.replace(layout, real=real_pairs(position_ids, h.shape[0], t, k, h.device))
+                prev, block_aux, load = self.run_block(mtp.block, x, rope, depth)
                 if block_aux is not None:
                     aux = block_aux if aux is None else aux + block_aux
                     mtp_loads.append(load)

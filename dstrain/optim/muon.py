@@ -105,9 +105,8 @@ class MuonAdamW(torch.optim.AdamW):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] = torch.zeros(
-                (), dtype=torch.float32
-            )  # updates taken, as AdamW's (resume reads it)
+            # the updates taken, kept as AdamW keeps them: a resume on another layout reads the count
+            state["step"] = torch.zeros((), dtype=torch.float32)
         state["step"] += 1
         m = state["momentum_buffer"]
         m.mul_(g["momentum"]).add_(grad)

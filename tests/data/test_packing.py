@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from dstrain.batch import PAD_POSITION
 from dstrain.data import DataOptions, build_loader
 from dstrain.data.packing import best_fit_decreasing
 from tests.helpers.data_files import chat_rows, text_rows, varied_chats, write_jsonl
@@ -16,8 +17,10 @@ def tok():
 
 
 def segments(pos: torch.Tensor) -> list[tuple[int, int]]:
-    starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
-    return list(zip(starts, starts[1:]))
+    """The documents of a row, and its padding (position PAD_POSITION) as one more run."""
+    n = int((pos != PAD_POSITION).sum())
+    starts = (pos[:n] == 0).nonzero().flatten().tolist() + [n]
+    return list(zip(starts, starts[1:])) + ([(n, len(pos))] if n < len(pos) else [])
 
 
 def test_pretraining_rows_concatenate_documents_exactly(tmp_path, tok):
@@ -66,13 +69,14 @@ def test_document_split_across_rows_restarts_positions(tmp_path, tok):
     assert labels[2, 23] == -100 and labels[1, 0] == -100
 
 
-def test_packing_off_pads_with_own_position_run(tmp_path, tok):
+def test_packing_off_pads_with_no_token_positions(tmp_path, tok):
+    """Padding holds no token: position id PAD_POSITION (no router counts it), the pad id, no target."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "defgh"}])
     opts = DataOptions(data=path, data_streams=1, seq_len=16, shuffle=False, packing=False, num_workers=0)
     batch = next(build_loader(opts, tok, 2))
     pad = tok.pad_token_id
     for row, n in zip(range(2), (4, 6)):  # text + EOS
-        assert batch["position_ids"][row].tolist() == list(range(n)) + list(range(16 - n))
+        assert batch["position_ids"][row].tolist() == list(range(n)) + [PAD_POSITION] * (16 - n)
         assert (batch["input_ids"][row, n:] == pad).all()
         assert (batch["labels"][row, n:] == -100).all()
         assert batch["labels"][row, n - 1] == tok.eos_token_id

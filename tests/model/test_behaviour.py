@@ -121,6 +121,37 @@ def test_sequence_balance_loss_matches_hand_computation():
     assert load.sum().item() == 2 * 5 * k
 
 
+def test_padding_is_no_token_for_routers_and_losses():
+    """A row padded after its last document (position PAD_POSITION, as the SFT packer pads) trains exactly as
+    the row without the padding: the same losses, balance loss and expert loads (main and MTP layers; an MTP
+    position whose look-ahead token is padding or past the row counts nowhere), and no gradient reaches the
+    pad token's embedding, even where that row is zero (transformers zeroes the pad row: the balance loss
+    through RMSNorm at a zero vector made the gradient 1e19 before padding was kept out of routing)."""
+    from dstrain.batch import IGNORE_INDEX, PAD_POSITION
+
+    model = build_model(
+        ModelConfig(**{**SMALL, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1})
+    )
+    pad = 1
+    with torch.no_grad():
+        model.embed_tokens.weight[pad] = 0.0
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, SMALL["vocab_size"], (2, 20), generator=g)
+    pos = torch.cat([torch.arange(8), torch.arange(12)]).expand(2, 20)
+    padded = {
+        "input_ids": F.pad(ids, (0, 6), value=pad),
+        "position_ids": F.pad(pos, (0, 6), value=PAD_POSITION),
+        "labels": F.pad(ids, (0, 6), value=IGNORE_INDEX),
+    }
+    plain = model(input_ids=ids, position_ids=pos, labels=ids)
+    out = model(**padded)
+    for key in ("loss", "lm_loss_sum", "aux_loss", "expert_load"):
+        torch.testing.assert_close(out[key], plain[key], rtol=0, atol=1e-6)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert model.embed_tokens.weight.grad[pad].abs().max() == 0
+
+
 def _imbalance(model, ids):
     with torch.no_grad():
         load = model(ids, labels=ids).expert_load
