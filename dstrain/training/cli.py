@@ -102,7 +102,7 @@ def _train(plan: RunPlan) -> int:
     dist.barrier()
     say(
         f"dstrain: {model} on {info.world_size} x {info.device.type} ({info.backend}), "
-        f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, "
+        f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, {opts.optimizer.optimizer}, "
         f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps",
         flush=True,
     )
