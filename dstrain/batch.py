@@ -18,11 +18,8 @@ PAD_POSITION = -1
 
 
 def real_tokens(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, T) bool of the positions that hold a token, or None when every one does (one host sync)."""
-    if position_ids is None:
-        return None
-    real = position_ids != PAD_POSITION
-    return None if bool(real.all()) else real
+    """(B, T) bool of the positions that hold a token (None without position ids: every one does)."""
+    return None if position_ids is None else position_ids != PAD_POSITION
 
 
 def real_pairs(

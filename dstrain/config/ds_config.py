@@ -315,6 +315,21 @@ def _resolve_optimizer(
         )
 
 
+def muon_refusal(dims: ParallelDims, offload_optimizer: bool) -> str | None:
+    """Why Muon cannot train in this layout, or None (the run and `dstrain plan`'s layout search ask)."""
+    if dims.tp > 1:
+        return (
+            f"--optimizer muon with --tp {dims.tp}: Newton-Schulz needs each whole matrix and tensor "
+            "parallelism splits them (use --ep/--pp/ZeRO instead)"
+        )
+    if offload_optimizer:
+        return (
+            "--optimizer muon with zero_optimization.offload_optimizer: Muon steps on the accelerator "
+            "(its all-gathers and Newton-Schulz); turn offload_optimizer off"
+        )
+    return None
+
+
 def _resolve_muon(
     ds: dict[str, Any],
     opt: dict[str, Any],
@@ -326,16 +341,9 @@ def _resolve_muon(
     """The section records the run in DeepSpeed's Muon terms (so the resolved file given back as --config
     runs the same); dstrain's own optimizer (dstrain.optim.muon) is what trains, handed to DeepSpeed as a
     client optimizer, and the trainer strips this section from what deepspeed.initialize gets."""
-    if dims.tp > 1:
-        raise ConfigError(
-            f"--optimizer muon with --tp {dims.tp}: Newton-Schulz needs each whole matrix and tensor "
-            "parallelism splits them (use --ep/--pp/ZeRO instead)"
-        )
-    if offload_opt:
-        raise ConfigError(
-            "--optimizer muon with zero_optimization.offload_optimizer: Muon steps on the accelerator "
-            "(its all-gathers and Newton-Schulz); turn offload_optimizer off"
-        )
+    why = muon_refusal(dims, offload_opt)
+    if why is not None:
+        raise ConfigError(why)
     opt["type"] = "Muon"
     params = opt.setdefault("params", {})
     for key in OPTIMIZER_PARAMS - MUON_PARAMS:  # AdamW's own settings, left "auto" by a shared file

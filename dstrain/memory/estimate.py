@@ -435,8 +435,8 @@ class _Stage:
         self.dense, self.experts = sum(x.dense for x in layers) / d.dp, sum(x.experts for x in layers) / d.edp
         self.part = self.dense + self.experts  # this rank's ZeRO partition (elements)
         muon = self.w.optimizer == "muon"
-        self.muon_held = sum(x.muon for x in layers) if muon else 0  # Muon's elements, whole and partitioned
-        self.muon = sum(x.muon - x.experts for x in layers) / d.dp + self.experts if muon else 0.0
+        self.muon_held = sum(x.muon for x in layers) if muon else 0  # the Muon elements this stage holds
+        self.muon = sum(x.muon - x.experts for x in layers) / d.dp + self.experts if muon else 0.0  # its part
         # the largest tensor Muon gathers whole: a matrix, or this rank's experts' gate_up_proj
         self.largest = (
             max((max([*x.tensors, 2 * x.experts // 3]) for x in layers if x.muon), default=0) if muon else 0

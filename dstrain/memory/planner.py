@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 
 from dstrain.cmdline import ArgumentParser
-from dstrain.config.ds_config import OFFLOADS, offloaded
+from dstrain.config.ds_config import OFFLOADS, muon_refusal, offloaded
 from dstrain.config.options import Options, parse_options
 from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import ConfigError
@@ -104,17 +104,16 @@ def layouts(w: Workload, world: int, offload: bool) -> Iterator[tuple[int, Paral
     optimizer (and under ZeRO-3 the parameters) in host memory."""
     cfg = w.model
     zero = {k: v for k, v in w.zero.items() if k not in OFFLOADS}
-    muon = w.optimizer == "muon"  # Newton-Schulz on whole matrices (no TP), on the accelerator (no offload)
-    if muon and offload:
-        return
     for stage, pp, tp in itertools.product((1, 2, 3), _divisors(world), _divisors(world)):
-        if world % (pp * tp) or pp > cfg.num_hidden_layers or (muon and tp > 1):
+        if world % (pp * tp) or pp > cfg.num_hidden_layers:
             continue
         for ep in _divisors(world // (pp * tp)):
             try:
                 dims = ParallelDims(world, pp=pp, tp=tp, ep=ep, sp=w.dims.sp)
                 dims.validate(cfg, stage, offload=offload)
             except ValueError:
+                continue
+            if w.optimizer == "muon" and muon_refusal(dims, offload) is not None:
                 continue
             z = dict(zero, stage=stage)
             if offload:

@@ -11,11 +11,10 @@ into any layout also initialises one.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Sequence
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 from torch import nn
@@ -72,7 +71,7 @@ class FreshWeights:
         self.std = cfg.initializer_range
         self.bytes_drawn = 0
 
-    @functools.cached_property
+    @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's whole shape (any layout's slices are parts of these), from a model on meta: built on
         the first read, so a folder that lacks nothing never pays for it."""

@@ -231,20 +231,17 @@ class MoE(nn.Module):
         e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         # Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20): per row, sum_i f_i * P_i with
         # f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity, T the row's tokens.
-        ones = torch.ones(b, t * k, device=x.device) if real is None else real.repeat_interleave(k, 1).float()
-        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(1, idx.view(b, t * k), ones)
+        real = torch.ones(b, t, dtype=torch.bool, device=x.device) if real is None else real
+        counted = real.repeat_interleave(k, 1).float()
+        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(1, idx.view(b, t * k), counted)
         sp = self.seq_parallel
         # Sequence parallel: f of the whole rows, P of this rank's tokens; the mean over the group of
         # sum_i f_i * P_i(local) is the rows' loss, and DeepSpeed averages the group's gradients.
+        here = real.sum(dim=1, keepdim=True).float()  # (B, 1) tokens of each row on this rank
+        row = (sp.sum(here) if sp else here).clamp(min=1)
+        f = (sp.sum(load_per_row) if sp else load_per_row) * (e / k) / row
         normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
-        if real is None:
-            f = (sp.sum(load_per_row) if sp else load_per_row) * (e / (k * t * (sp.size if sp else 1)))
-            p = normed.view(b, t, e).mean(dim=1)
-        else:
-            here = real.sum(dim=1, keepdim=True).float()  # (B, 1) tokens of each row on this rank
-            row = (sp.sum(here) if sp else here).clamp(min=1)
-            f = (sp.sum(load_per_row) if sp else load_per_row) * (e / k) / row
-            p = (normed.view(b, t, e) * real[..., None]).sum(dim=1) * ((sp.size if sp else 1) / row)
+        p = (normed.view(b, t, e) * real[..., None]).sum(dim=1) * ((sp.size if sp else 1) / row)
         aux = (f * p).sum(dim=1).mean()
         return out, aux, load_per_row.sum(0)
 
@@ -261,7 +258,7 @@ class Block(nn.Module):
     def forward(self, x, rope, layout):  # noqa: ANN001 - called through checkpoint()
         x = x + self._sublayer("attention", self._attention, x, rope, layout)
         if isinstance(self.mlp, MoE):
-            out, aux, load = self._sublayer("mlp", self._ffn, x, layout.real)
+            out, aux, load = self._sublayer("mlp", self._moe, x, layout.real)
             return x + out, aux, load
         return x + self._sublayer("mlp", self._ffn, x), None, None
 
@@ -275,8 +272,11 @@ class Block(nn.Module):
     def _attention(self, x, rope, layout):  # noqa: ANN001, ANN202
         return self.self_attn(self.input_layernorm(x), rope, layout)
 
-    def _ffn(self, x, *real):  # noqa: ANN001, ANN002, ANN202 - real: the MoE's token mask
-        return self.mlp(self.post_attention_layernorm(x), *real)
+    def _ffn(self, x):  # noqa: ANN001, ANN202
+        return self.mlp(self.post_attention_layernorm(x))
+
+    def _moe(self, x, real):  # noqa: ANN001, ANN202 - real: the positions holding a token
+        return self.mlp(self.post_attention_layernorm(x), real)
 
 
 @torch.compiler.disable

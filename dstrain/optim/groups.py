@@ -10,6 +10,7 @@ LoRA" means in the studies of it (Qu et al. 2026, arXiv:2605.10468); `adapters=F
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def adamw_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[s
 
 
 def param_groups(
-    named: list[tuple[str, nn.Parameter]], cfg: Any, weight_decay: float, muon: MuonSettings | None
+    named: list[tuple[str, nn.Parameter]], cfg: Any, weight_decay: float, muon: MuonSettings
 ) -> tuple[list[dict[str, Any]], list[Assignment]]:
     """-> (the groups for the optimizer, each parameter's assignment). Tags each parameter with the optimizer
     state it will have (`optimizer_state`, read by the layout-free checkpoint)."""
@@ -106,9 +107,7 @@ def param_groups(
     params = dict(named)
     adamw = [params[a.name] for a in table if a.optimizer == "adamw"]
     groups = adamw_groups(adamw, weight_decay)
-    if muon is not None and any(
-        hasattr(p, "group_name") for p in adamw
-    ):  # expert parallel: DeepSpeed's split
+    if any(hasattr(p, "group_name") for p in adamw):  # expert parallel: DeepSpeed's split of its groups
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
@@ -157,14 +156,7 @@ def table_text(table: list[Assignment]) -> str:
     lines = [head] + [(*key, str(n)) for key, n in rows.items()]
     widths = [max(len(r[i]) for r in lines) for i in range(3)]
     out = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>5}" for r in lines]
-    muon = sum(_numel(a) for a in table if a.optimizer == "muon")
-    total = sum(_numel(a) for a in table)
+    muon = sum(math.prod(a.shape) for a in table if a.optimizer == "muon")
+    total = sum(math.prod(a.shape) for a in table)
     out.append(f"muon steps {muon:,} of {total:,} trained elements ({muon / max(total, 1):.1%})")
     return "\n".join(out)
-
-
-def _numel(a: Assignment) -> int:
-    n = 1
-    for s in a.shape:
-        n *= s
-    return n

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from dstrain.checkpoint.store import read_state
@@ -77,17 +76,3 @@ def after_initialize(engine: Any, choice: Choice) -> None:
     """Muon: where each parameter's slices live under the engine's ZeRO / bf16 optimizer."""
     if choice.optimizer is not None:
         bind(engine.optimizer, choice.optimizer)
-
-
-def state_bytes(engine: Any) -> int:
-    """Bytes of what the optimizer keeps for this rank: the fp32 master copy of each trained tensor (or ZeRO
-    partition) and its state tensors (AdamW's two moments, Muon's momentum; not the step counters)."""
-    opt = engine.optimizer
-    base = getattr(opt, "optimizer", opt)
-    total = 0
-    for p, state in base.state.items():
-        total += p.numel() * 4 if p.dtype == torch.float32 else 0
-        total += sum(
-            v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim()
-        )
-    return total

@@ -45,8 +45,8 @@ class ReferenceMuon:
     """Muon on `named` (name, parameter) pairs: M <- mu M + G; U = G + mu M; W <- W(1 - lr wd) - lr 0.2
     sqrt(max(A, B)) NS5(U) per matrix."""
 
-    def __init__(self, named, lr: float, weight_decay: float, momentum: float = 0.95) -> None:
-        self.named, self.lr, self.wd, self.mu = list(named), lr, weight_decay, momentum
+    def __init__(self, named, weight_decay: float, momentum: float = 0.95) -> None:
+        self.named, self.wd, self.mu = list(named), weight_decay, momentum
         self.buf = {n: torch.zeros_like(p) for n, p in self.named}
 
     @torch.no_grad()

@@ -140,9 +140,7 @@ def reference_run(
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = None
     if o.optimizer == "muon":  # the test's own Muon on the matrices, AdamW on the rest
-        muon = ReferenceMuon(
-            [(n, p) for n, p in trained if uses_muon(n, p)], s.lr, o.weight_decay, o.muon_momentum
-        )
+        muon = ReferenceMuon([(n, p) for n, p in trained if uses_muon(n, p)], o.weight_decay, o.muon_momentum)
         trained = [(n, p) for n, p in trained if not uses_muon(n, p)]
     opt = torch.optim.AdamW(  # fused, as dstrain's resolved config has torch's AdamW run
         adamw_groups([p for _, p in trained], o.weight_decay),

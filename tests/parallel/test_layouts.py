@@ -213,12 +213,12 @@ def test_bf16_layouts_with_overlapped_reductions(bf16_two_rank, reference, name)
 
 def test_muon_in_bf16_with_overlapped_reductions(bf16_two_rank, muon_reference):
     """Muon steps the fp32 master slices of a bf16 run like an fp32 one's: within bf16's error of one fp32
-    process's Muon, clipping binding."""
+    process's Muon (7.2e-5 loss, 1.5e-3 grad norm seen), clipping binding. AdamW in the same layout is 5.6e-4 /
+    1.1e-2 off that reference: these bounds tell the two optimizers apart."""
     _, res = bf16_two_rank
     for got, want in zip(res["muon_ep2_bf16"]["history"], muon_reference["full"][0], strict=True):
-        assert (
-            _rel(got["loss"], want["loss"]) <= 2e-2 and _rel(got["grad_norm"], want["grad_norm"]) <= 5e-2
-        ), (got, want)
+        assert _rel(got["loss"], want["loss"]) <= 2e-4, (got, want)
+        assert _rel(got["grad_norm"], want["grad_norm"]) <= 5e-3, (got, want)
 
 
 @pytest.mark.parametrize("name", TWO_DSA)

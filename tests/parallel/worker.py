@@ -159,9 +159,22 @@ def trainer(
     )
 
 
+def state_bytes(engine) -> int:  # noqa: ANN001
+    """Bytes of what the optimizer keeps for this rank: the fp32 master copy of each trained tensor (or ZeRO
+    partition) and its state tensors (AdamW's two moments, Muon's momentum; not the step counters)."""
+    import torch
+
+    from dstrain.checkpoint.reshard import base_optimizer
+
+    total = 0
+    for p, state in base_optimizer(engine).state.items():
+        total += p.numel() * 4 if p.dtype == torch.float32 else 0
+        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim())
+    return total
+
+
 def main(out: str, layouts: list[str]) -> None:
     from dstrain import dist
-    from dstrain.training import optimizer
 
     info = dist.init_distributed()
     Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
@@ -175,7 +188,7 @@ def main(out: str, layouts: list[str]) -> None:
         tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
         drawn, held = tr.load_stats["bytes_drawn"], held_bytes(tr.model)
         tr.run()
-        states = optimizer.state_bytes(tr.engine)
+        states = state_bytes(tr.engine)
         wall = time.perf_counter() - t0
         hist = [
             {k: r.get(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "indexer_loss")}
