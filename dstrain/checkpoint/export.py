@@ -25,10 +25,12 @@ import torch
 from dstrain.cmdline import command_parser
 from dstrain.errors import CheckpointError, ConfigError, UserError
 from dstrain.model.config import ModelConfig
-from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors, to_hf, write_hf_config
-from dstrain.model.loading import parse_dtype, tensors_beside
+from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
+from dstrain.model.init import model_class
+from dstrain.model.loading import hf_tensors, parse_dtype, stays_fp32, tensors_beside, write_config
 from dstrain.model.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.model import EXPERT_BIAS, is_expert_bias
+from dstrain.model.v4_config import V4Config
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from .store import Checkpoint, open_checkpoint
@@ -92,13 +94,11 @@ def merge_stream(
         raise CheckpointError(f"incomplete LoRA module {module} in the checkpoint: only {sorted(got)}")
 
 
-def expected_hf_keys(cfg: ModelConfig) -> set[str]:
+def expected_hf_keys(cfg: ModelConfig | V4Config) -> set[str]:
     """Every HF key a complete export of this config holds (from a meta-device model: no memory)."""
-    from dstrain.model.model import DeepSeekLM
-
     with torch.device("meta"):
-        model = DeepSeekLM(cfg)
-    return {name for name, _ in to_hf(model.state_dict().items(), cfg)}
+        model = model_class(cfg)(cfg)
+    return {name for name, _ in hf_tensors(model.state_dict().items(), cfg)}
 
 
 # ------------------------------------------------------------------ writing
@@ -127,7 +127,7 @@ def write_configs(cfg: ModelConfig, out: Path, dtype: torch.dtype, source: str |
     generation = None
     if src is not None and (src / "generation_config.json").is_file():
         generation = json.loads((src / "generation_config.json").read_text())
-    write_hf_config(cfg, out, dtype, generation)
+    write_config(cfg, out, dtype, generation)
     if src is None:
         return []
     if cfg.wrapper:
@@ -188,7 +188,7 @@ def export(
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         try:
-            for key, t in to_hf(merge_stream(iter_weights(ckpt), lora), cfg, dt):
+            for key, t in hf_tensors(merge_stream(iter_weights(ckpt), lora), cfg, dt):
                 if key in seen:
                     raise CheckpointError(f"checkpoint yields {key} twice")
                 seen.add(key)
@@ -281,7 +281,7 @@ def verify(
     if dtype != torch.float32:
         merge_lora(ref)
         for name, t in ref.state_dict(keep_vars=True).items():
-            if t.is_floating_point() and not is_expert_bias(name):
+            if t.is_floating_point() and not stays_fp32(cfg, name):
                 t.data.copy_(t.data.to(dtype).float())
     from transformers.utils import logging as hf_logging
 

@@ -11,6 +11,7 @@ pipeline layers, while these tensors are written anyway for export.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def load_resharded(engine: Any, model: nn.Module, path: Path, progress: dict[str
             )
         _set_module_value(t, value)
         if _trained(t) and _has_master(t):  # without one (no ZeRO, fp32) the module weight is the master
-            safe_set_full_fp32_param(t, value)
+            _set_master(t, value, safe_set_full_fp32_param)
     trained = [n for n, t in mine.items() if _trained(t)]
     adam_step = float(progress.get("adam_step", 0.0))  # updates taken (AdamW's count, Muon's alike)
     if adam_step > 0 and trained:
@@ -83,7 +84,7 @@ def load_resharded(engine: Any, model: nn.Module, path: Path, progress: dict[str
                 t = mine[name]
                 value = local_slice(full, t)
                 if _has_master(t):
-                    safe_set_full_optimizer_state(t, value, key)
+                    _set_master(t, value, partial(safe_set_full_optimizer_state, optim_state_key=key), key)
                 else:
                     base.state[t][key].copy_(value.view_as(base.state[t][key]))
         for state in base.state.values():
@@ -95,6 +96,26 @@ def load_resharded(engine: Any, model: nn.Module, path: Path, progress: dict[str
     engine.global_steps = step
     engine.global_samples = step * engine.train_batch_size()
     engine.micro_steps = step * engine.gradient_accumulation_steps()
+
+
+def _set_master(t: torch.Tensor, value: torch.Tensor, set_full: Any, key: str | None = None) -> None:
+    """The optimizer's fp32 copy of `t` (its master weight, or state `key`) from the whole `value`. ZeRO-3's
+    own setter slices the whole tensor without its padding, so a tensor whose size the ranks do not divide
+    (DeepSeek-V4's mHC scales: 3 elements) is written here, this rank's padded partition."""
+    z3 = getattr(t, "_z3_optimizer", None)
+    if z3 is None or not t.requires_grad:
+        set_full(t, value)
+        return
+    part, group = z3._get_fp32_opt_state_partition(t, release_swap_buffers=False, optim_state_key=key)
+    n, rank = part.numel(), z3._get_param_partition_rank(t)
+    if n * z3.partition_count == t.ds_numel:
+        set_full(t, value)
+        return
+    piece = value.flatten()[n * rank : n * (rank + 1)]
+    part.data.zero_()
+    part.data[: piece.numel()].copy_(piece)
+    if z3._swappable_optimizer_subgroup(group):
+        z3._optimizer_states_and_gradient_swap_out(group)
 
 
 def _trained(t: torch.Tensor) -> bool:

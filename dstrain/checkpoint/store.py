@@ -36,6 +36,7 @@ from dstrain import dist
 from dstrain.atomic import write_atomic, write_json
 from dstrain.errors import CheckpointError
 from dstrain.model import ModelConfig
+from dstrain.model.presets import config_from_hf_dict
 from dstrain.parallel import ParallelDims
 
 from .lora import load_lora_settings, save_lora_settings
@@ -192,7 +193,7 @@ def read_state(path: Path, rank: int = 0) -> dict[str, Any]:
 def read_model_config(path: Path) -> ModelConfig:
     """The model config the checkpoint describes itself with (its config.json)."""
     try:
-        return ModelConfig.from_hf_dict(json.loads((path / MODEL_CONFIG).read_text()))
+        return config_from_hf_dict(json.loads((path / MODEL_CONFIG).read_text()))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read its {MODEL_CONFIG} ({exc})") from None
 

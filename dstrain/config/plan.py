@@ -191,11 +191,10 @@ def _accumulation_from_train_batch(opts: Options, user: UserFile, dims: Parallel
 def check_model_folder(path: str, cfg: ModelConfig) -> None:
     """A folder that does not fit its own config.json is a one-line error here, before any process group or
     allocation (headers only: nothing is read)."""
-    from dstrain.model.loading import check_folder
-    from dstrain.model.reader import HFReader
+    from dstrain.model.loading import check_folder, open_folder
 
     try:
-        with HFReader(path, cfg) as reader:
+        with open_folder(path, cfg) as reader:
             check_folder(reader, cfg)
     except ValueError as exc:
         raise ConfigError(f"--model {path}: {exc}") from None

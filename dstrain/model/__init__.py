@@ -5,12 +5,14 @@ from .flops import flops_per_token, param_counts
 from .loading import build_model, from_pretrained, parse_dtype, save_pretrained
 from .model import DeepSeekLM, ModelOutput, combine_losses, kernel_paths
 from .presets import PRESETS, get_config
+from .v4_config import V4Config
 
 __all__ = [
     "PRESETS",
     "DeepSeekLM",
     "ModelConfig",
     "ModelOutput",
+    "V4Config",
     "build_model",
     "combine_losses",
     "flops_per_token",

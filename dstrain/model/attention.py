@@ -53,13 +53,21 @@ def _yarn_params(cfg: ModelConfig) -> dict | None:
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (fp32, qk_rope_head_dim/2) and the cos/sin multiplier, as HF computes them."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    return inverse_frequencies(
+        cfg.qk_rope_head_dim, cfg.rope_theta, _yarn_params(cfg), cfg.max_position_embeddings
+    )
+
+
+def inverse_frequencies(
+    dim: int, base: float, yarn: dict | None, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (fp32, dim/2) of `dim` rotary dims and the cos/sin multiplier; `yarn` None or
+    YaRN's parameters (transformers' `_compute_yarn_parameters`)."""
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    yarn = _yarn_params(cfg)
     if yarn is None:
         return 1.0 / pos_freqs, 1.0
-    orig = yarn.get("original_max_position_embeddings", cfg.max_position_embeddings)
-    factor = yarn.get("factor") or cfg.max_position_embeddings / orig
+    orig = yarn.get("original_max_position_embeddings", max_positions)
+    factor = yarn.get("factor") or max_positions / orig
     mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
     attention_factor = yarn.get("attention_factor")
     if attention_factor is None:

@@ -80,6 +80,10 @@ def _family(d: dict[str, Any]) -> str:
     """The family (FAMILIES) from model_type and architectures; another model_type with a DeepSeek
     architecture (kimi_k2, ...) is that architecture; contradictions are errors naming the field."""
     model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type == "deepseek_v4" or "DeepseekV4ForCausalLM" in archs:
+        raise ValueError(
+            "config.json model_type='deepseek_v4' is read by V4Config (dstrain.model.v4_config), not ModelConfig"
+        )
     if not isinstance(archs, list) or len(archs) > 1 or any(a not in ARCHITECTURES for a in archs):
         raise ValueError(f"config.json architectures={archs!r}: dstrain trains {' or '.join(ARCHITECTURES)}")
     by_arch = ARCHITECTURES[archs[0]] if archs else None
@@ -230,7 +234,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type={self.model_type!r}: expected one of {', '.join(FAMILIES)}")
+            raise ValueError(
+                f"model_type={self.model_type!r}: expected one of {', '.join(FAMILIES)} (deepseek_v4: V4Config)"
+            )
         self._check_sparse_attention()
         for name in (
             "vocab_size",

@@ -213,24 +213,28 @@ def _target_block(
 
 
 class _Inject(torch.autograd.Function):
-    """Identity on the attention output; in backward, the indexer's precomputed KL gradient times `scale`,
-    once: a graph walked by several backward calls (a pipeline stage runs one per tensor it sent, with
-    retain_graph) must not add it again."""
+    """Identity on the attention output; in backward, the indexer's precomputed KL gradients of `inputs`
+    times `scale`, once: a graph walked by several backward calls (a pipeline stage runs one per tensor it
+    sent, with retain_graph) must not add it again."""
 
     @staticmethod
-    def forward(ctx, out, q, k, w, dq, dk, dw, scale):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(dq, dk, dw)
-        ctx.scale, ctx.done = scale, False
+    def forward(ctx, out, scale, n, *inputs_and_grads):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(*inputs_and_grads[n:])
+        ctx.scale, ctx.n, ctx.done = scale, n, False
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
+        rest = (None,) * ctx.n  # no gradient for the precomputed gradients themselves
         if ctx.done:
-            return grad, None, None, None, None, None, None, None
+            return grad, None, None, *(None,) * ctx.n, *rest
         ctx.done = True
-        dq, dk, dw = ctx.saved_tensors
-        s = ctx.scale
-        return grad, dq * s, dk * s, dw * s, None, None, None, None
+        return grad, None, None, *(g * ctx.scale for g in ctx.saved_tensors), *rest
+
+
+def inject(out: torch.Tensor, scale: float, inputs: tuple, grads: tuple) -> torch.Tensor:
+    """`out`, whose backward also sends `grads` (times `scale`) into `inputs` (the indexer's tensors)."""
+    return _Inject.apply(out, scale, len(inputs), *inputs, *grads)
 
 
 @dataclass
@@ -246,6 +250,29 @@ class SparseSettings:
     """Compute the indexer's KL (and, training, inject its gradient)."""
     grad_scale: float | None = None
     """Factor on the KL sum's gradient; None: 1 / (queries of the forward)."""
+
+
+class SparseControls:
+    """The sparse-attention stages of a model (DeepSeekLM, DeepSeekV4LM) whose blocks' attention holds its
+    `sparse` settings (None: a dense layer)."""
+
+    def sparse_settings(self) -> list[SparseSettings]:
+        """Every sparse-attention layer's settings (none without sparse attention)."""
+        return [b.self_attn.sparse for b in self.blocks() if b.self_attn.sparse is not None]
+
+    def set_sparse_attention(self, stage: str) -> None:
+        """'dense': dense attention, the indexer learns (the warm-up); 'sparse': attention over the selected
+        keys, the indexer learns by the sparse KL; 'frozen': attention over the selected keys, no indexer loss."""
+        if stage not in ("dense", "sparse", "frozen"):
+            raise ValueError(f"sparse attention stage {stage!r}: choose dense, sparse or frozen")
+        for s in self.sparse_settings():
+            s.dense, s.loss = stage == "dense", stage != "frozen"
+
+    def set_indexer_grad_scale(self, scale: float | None) -> None:
+        """Factor on each indexer's KL-sum gradient (the trainer's global normalisation times the loss
+        coefficient); None: the mean over the forward's queries."""
+        for s in self.sparse_settings():
+            s.grad_scale = scale
 
 
 def sparse_attention(
@@ -284,7 +311,7 @@ def sparse_attention(
     out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
     if result.grads is not None:
         factor = settings.grad_scale if settings.grad_scale is not None else 1.0 / (iq.shape[0] * iq.shape[1])
-        out = _Inject.apply(out, iq, ik, iw, *result.grads, factor)
+        out = inject(out, factor, (iq, ik, iw), result.grads)
     return seq_parallel.to_tokens(out) if seq_parallel is not None else out
 
 

@@ -194,9 +194,11 @@ def _swiglu_forward(
     w: torch.Tensor | None,
     ad: Adapters | None = None,
     scale: float = 0.0,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Rows grouped by expert -> (pre-activation (S, 2I), outputs (S, D), the adapters' (S, 2r) and (S, r)
-    low-rank activations, or () without adapters); `w` (S,) fp32 row weights or None."""
+    low-rank activations, or () without adapters); `w` (S,) fp32 row weights or None; `limit`: DeepSeek-V4's
+    SwiGLU clamp (gate at most `limit`, up within +-`limit`)."""
     gu = _grouped_mm(xs, _t(gate_up), offs)
     acts: tuple[torch.Tensor, ...] = ()
     if ad is not None:
@@ -205,7 +207,7 @@ def _swiglu_forward(
         dg = _grouped_mm(xa[:, :r].contiguous(), _t(ad.gate_B), offs)
         du = _grouped_mm(xa[:, r:].contiguous(), _t(ad.up_B), offs)
         gu = gu + torch.cat([dg, du], dim=-1) * scale
-    g, u = gu.chunk(2, dim=-1)
+    g, u = _clamped(gu, limit)
     h = F.silu(g) * u
     if w is not None:
         h = (h.float() * w.unsqueeze(-1)).to(h.dtype)
@@ -229,11 +231,12 @@ def _swiglu_backward(
     scale: float = 0.0,
     acts: tuple[torch.Tensor, ...] = (),
     base_grads: bool = True,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Adapters | None]:
     """Gradients of `_swiglu_forward` given d outputs: -> (d xs, d gate_up, d down, d w (S,) fp32 or None,
     the adapters' gradients or None). silu(gate) * up is recomputed from the saved pre-activation; the base
     weights' gradients are None when not `base_grads` (frozen under LoRA)."""
-    g, u = gu.chunk(2, dim=-1)
+    g, u = _clamped(gu, limit)
     act = F.silu(g)
     h = act * u
     dh = _grouped_mm(dys, down, offs)  # (S, I): d of the down projection's (weighted) input
@@ -248,7 +251,11 @@ def _swiglu_backward(
         h = (h.float() * wide).to(h.dtype)
         dh = (dh.float() * wide).to(dh.dtype)
     d_down = _grouped_mm(dys.t(), h, offs) if base_grads else None  # (E, D, I)
-    dgu = torch.cat([torch.ops.aten.silu_backward(dh * u, g), dh * act], dim=-1)
+    dg, du = torch.ops.aten.silu_backward(dh * u, g), dh * act
+    if limit is not None:  # torch's clamp: the gradient passes where the input is within the bounds
+        raw_g, raw_u = gu.chunk(2, dim=-1)
+        dg, du = dg * (raw_g <= limit), du * (raw_u.abs() <= limit)
+    dgu = torch.cat([dg, du], dim=-1)
     d_gate_up = _grouped_mm(dgu.t(), xs, offs) if base_grads else None  # (E, 2I, D)
     dxs = _grouped_mm(dgu, gate_up, offs)  # (S, D)
     if ad is None:
@@ -268,6 +275,14 @@ def _swiglu_backward(
         down_B=_grouped_mm(dys.t(), ha, offs) * scale,
     )
     return dxs, d_gate_up, d_down, dw, grads
+
+
+def _clamped(gu: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of the pre-activation, clamped as DeepSeek-V4's SwiGLU clamps them."""
+    g, u = gu.chunk(2, dim=-1)
+    if limit is None:
+        return g, u
+    return g.clamp(max=limit), u.clamp(-limit, limit)
 
 
 def _sum_per_token(t: torch.Tensor, rows: _Rows, n: int, k: int) -> torch.Tensor:
@@ -310,14 +325,18 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, order, offs, gate_up, down, scale, *lora):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weights, order, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
         n, k = weights.shape
         ad = Adapters(*lora) if lora else None
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
         groups = Offsets(rows.offs)
-        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), groups, gate_up, down, w, ad, scale)
-        ctx.scale, ctx.host = scale, groups._host  # offsets read to the host in forward serve backward too
+        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), groups, gate_up, down, w, ad, scale, limit)
+        ctx.scale, ctx.limit, ctx.host = (
+            scale,
+            limit,
+            groups._host,
+        )  # offsets read to the host in forward serve backward too
         ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down, *acts, *lora)
         return _sum_per_token(ys, rows, n, k)
 
@@ -331,11 +350,11 @@ class _RoutedExperts(torch.autograd.Function):
         dys, xs = rows.take(dout.contiguous(), per=k), rows.take(x, per=k)
         base = any(ctx.needs_input_grad[4:6])
         dxs, d_gate_up, d_down, dw, d_ad = _swiglu_backward(
-            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, w, ad, ctx.scale, acts, base
+            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, w, ad, ctx.scale, acts, base, ctx.limit
         )
         dx = _sum_per_token(dxs, rows, n, k)
         dweights = dw.index_select(0, rows.back).view(n, k).to(weights.dtype)
-        return dx, dweights, None, None, d_gate_up, d_down, None, *(d_ad or ())
+        return dx, dweights, None, None, d_gate_up, d_down, None, None, *(d_ad or ())
 
 
 def _split_saved(rest: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Adapters | None]:
@@ -354,23 +373,27 @@ def routed_experts(
     down_proj: torch.Tensor,
     adapters: Adapters | None = None,
     scale: float = 0.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """x (N, D), idx (N, k) expert ids, weights (N, k) fp32 -> (N, D): sum_j weights[:, j] * expert_{idx[:, j]}(x),
-    each expert a SwiGLU (plus its LoRA adapters scaled by `scale`, if given), in x's dtype."""
+    each expert a SwiGLU (plus its LoRA adapters scaled by `scale`, if given; clamped at `limit` if given),
+    in x's dtype."""
     order, offs = group_by_expert(idx, gate_up_proj.shape[0])
-    return _RoutedExperts.apply(x, weights, order, offs, gate_up_proj, down_proj, scale, *(adapters or ()))
+    return _RoutedExperts.apply(
+        x, weights, order, offs, gate_up_proj, down_proj, scale, limit, *(adapters or ())
+    )
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, offs, gate_up, down, scale, *lora):  # noqa: ANN001, ANN205
+    def forward(ctx, xs, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
         ad = Adapters(*lora) if lora else None
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         groups = Offsets(rows.offs)
         gu, ys, acts = _swiglu_forward(
-            rows.take(xs) if rows.padded else xs, groups, gate_up, down, None, ad, scale
+            rows.take(xs) if rows.padded else xs, groups, gate_up, down, None, ad, scale, limit
         )
-        ctx.scale, ctx.host = scale, groups._host
+        ctx.scale, ctx.limit, ctx.host = scale, limit, groups._host
         ctx.save_for_backward(xs, offs, gu, gate_up, down, *acts, *lora)
         return ys.index_select(0, rows.back) if rows.padded else ys
 
@@ -384,10 +407,21 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dys, xs = rows.take(dys), rows.take(xs)
         base = any(ctx.needs_input_grad[2:4])
         dxs, d_gate_up, d_down, _, d_ad = _swiglu_backward(
-            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, None, ad, ctx.scale, acts, base
+            dys,
+            xs,
+            gu,
+            Offsets(rows.offs, ctx.host),
+            gate_up,
+            down,
+            None,
+            ad,
+            ctx.scale,
+            acts,
+            base,
+            ctx.limit,
         )
         dxs = dxs.index_select(0, rows.back) if rows.padded else dxs
-        return dxs, None, d_gate_up, d_down, None, *(d_ad or ())
+        return dxs, None, d_gate_up, d_down, None, None, *(d_ad or ())
 
 
 def grouped_swiglu(
@@ -397,10 +431,11 @@ def grouped_swiglu(
     down_proj: torch.Tensor,
     adapters: Adapters | None = None,
     scale: float = 0.0,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Rows sorted by expert (expert e's rows end at offs[e]) -> each row through its expert's SwiGLU (and
-    LoRA adapters)."""
-    return _GroupedSwiGLU.apply(xs, offs, gate_up_proj, down_proj, scale, *(adapters or ()))
+    LoRA adapters; clamped at `limit` if given)."""
+    return _GroupedSwiGLU.apply(xs, offs, gate_up_proj, down_proj, scale, limit, *(adapters or ()))
 
 
 def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,20 @@ from .config import ModelConfig
 from .lora import is_lora_key
 from .model import DeepSeekLM, is_expert_bias
 from .reader import HFReader, flat_range
+from .v4 import DeepSeekV4LM, is_hash_table
+from .v4_config import V4Config
+
+
+def model_class(cfg: ModelConfig | V4Config) -> type[nn.Module]:
+    """The model a config describes: DeepSeek-V4's, or the V2/V3-shaped one."""
+    return DeepSeekV4LM if isinstance(cfg, V4Config) else DeepSeekLM
 
 
 def local_tensors(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """The weights a checkpoint holds: parameters and the expert bias; LoRA adapters only when asked (a
-    Hugging Face folder has none)."""
+    """The weights a checkpoint holds: parameters, the expert bias and V4's hash tables; LoRA adapters only
+    when asked (a Hugging Face folder has none)."""
     out = [(n, p) for n, p in model.named_parameters() if adapters or not is_lora_key(n)]
-    return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n)]
+    return out + [(n, b) for n, b in model.named_buffers() if is_expert_bias(n) or is_hash_table(n)]
 
 
 def shard_of(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -54,10 +61,12 @@ def copy_into(t: torch.Tensor, source: HFReader | FreshWeights, name: str) -> No
 
 
 def _starts_at(name: str) -> float | None:
-    """The constant a tensor starts at, None for the random matrices."""
-    if is_expert_bias(name) or name.endswith(".bias"):
+    """The constant a tensor starts at, None for the random matrices (V4's as transformers starts them: the
+    sinks, compressor position biases and mHC biases at 0, the mHC scales at 1)."""
+    last = name.rpartition(".")[2]
+    if is_expert_bias(name) or last in ("bias", "sinks", "position_bias", "base", "hc_base"):
         return 0.0
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or last in ("scale", "hc_scale"):
         return 1.0
     return None
 
@@ -76,7 +85,7 @@ class FreshWeights:
         """Every tensor's whole shape (any layout's slices are parts of these), from a model on meta: built on
         the first read, so a folder that lacks nothing never pays for it."""
         with torch.device("meta"):
-            return {n: tuple(t.shape) for n, t in local_tensors(DeepSeekLM(self.cfg))}
+            return {n: tuple(t.shape) for n, t in local_tensors(model_class(self.cfg)(self.cfg))}
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
@@ -94,6 +103,10 @@ class FreshWeights:
             if dim is not None:
                 out_shape[dim] = stop - start
             return torch.full(out_shape, const, device=self.device)
+        if is_hash_table(name):  # a fixed random table: each token's k distinct experts
+            gen = torch.Generator(device=self.device).manual_seed(self._seed(name))
+            experts = torch.rand(shape[0], self.cfg.n_routed_experts, generator=gen, device=self.device)
+            return experts.argsort(dim=-1)[:, : shape[1]].float()
         if len(shape) == 3 and dim == 0:  # the routed experts this part covers
             return torch.stack([self._draw(f"{name}#{e}", shape[1:]) for e in range(start, stop)])
         if len(shape) == 3:
@@ -108,9 +121,12 @@ class FreshWeights:
             partial(self.read, name), self.shapes[name], start, stop, torch.float32, self.device
         )
 
+    def _seed(self, key: str) -> int:
+        return (self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63
+
     def _draw(self, key: str, shape: Sequence[int]) -> torch.Tensor:
         gen = torch.Generator(device=self.device)
-        gen.manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+        gen.manual_seed(self._seed(key))
         self.bytes_drawn += math.prod(shape) * 4
         return torch.empty(tuple(shape), device=self.device).normal_(0.0, self.std, generator=gen)
 

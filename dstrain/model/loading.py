@@ -6,17 +6,21 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors, to_hf, write_hf_config
-from .init import FreshWeights, fill, held_device, init_weights, local_tensors
+from .init import FreshWeights, fill, held_device, init_weights, local_tensors, model_class
 from .model import DeepSeekLM, is_expert_bias
 from .presets import get_config
 from .reader import HFReader, SafetensorsFile
+from .v4 import keeps_fp32
+from .v4_config import V4Config
+from .v4_hf import keeps_fp32 as v4_keeps_fp32
+from .v4_hf import open_v4, save_v4_folder, source_style, to_v4_hf, write_v4_config
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +37,17 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def build_model(
-    config: str | os.PathLike | ModelConfig,
+    config: str | os.PathLike | ModelConfig | V4Config,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = torch.float32,
     seed: int | None = None,
     init: bool = True,
-) -> DeepSeekLM:
+) -> nn.Module:
     """Construct on the meta device (no memory), materialise on `device`, then `init_weights` (seed None: one
-    drawn from torch's global generator)."""
+    drawn from torch's global generator). A DeepSeekLM, or for a V4Config a DeepSeekV4LM."""
     cfg = get_config(config)
     with torch.device("meta"):
-        model = DeepSeekLM(cfg)
+        model = model_class(cfg)(cfg)
     model.to_empty(device=device)
     model.tie_weights()
     if init:
@@ -72,7 +76,7 @@ def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtyp
                     continue
                 if id(t) not in done:
                     want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                    if is_expert_bias(name):
+                    if is_expert_bias(name) or (want == dtype and keeps_fp32(m, name)):
                         want = torch.float32
                     data = torch.empty(t.shape, dtype=want, device=device)
                     if isinstance(t, nn.Parameter):
@@ -100,7 +104,7 @@ def check_folder(reader: HFReader, cfg: ModelConfig) -> list[str]:
     """Every tensor the model `cfg` describes is in the folder with its shape (from the files' headers, nothing
     read). -> the keys that may start fresh (MTP modules, the expert bias); anything else is a ValueError."""
     with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in local_tensors(DeepSeekLM(cfg))}
+        shapes = {n: tuple(t.shape) for n, t in local_tensors(model_class(cfg)(cfg))}
     missing = reader.check(list(shapes))
     for name, shape in shapes.items():
         if name not in missing and reader.full_shape(name) != shape:
@@ -124,24 +128,58 @@ def from_pretrained(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     allow_unsafe_pickle: bool = False,
-    config: ModelConfig | None = None,
+    config: ModelConfig | V4Config | None = None,
     seed: int = 0,
-) -> DeepSeekLM:
-    """Load an HF DeepSeek-V3/V2 folder (config.json + safetensors, single or sharded) tensor by tensor.
+) -> nn.Module:
+    """Load an HF DeepSeek-V2/V3/V3.2/V4 folder (config.json + safetensors, single or sharded; V4 in DeepSeek's
+    or transformers' key names, FP8/FP4 dequantized) tensor by tensor.
 
     dtype None keeps the checkpoint's dtype (config `dtype`/`torch_dtype`); the expert bias stays fp32.
     MTP layers missing from the folder (transformers' save_pretrained drops them) are initialised fresh.
     """
     path = str(path)
-    cfg = config or ModelConfig.from_folder(path)
+    cfg = config or get_config(path)
     dtype = parse_dtype(dtype) or _checkpoint_dtype(path) or torch.float32
     with torch.device("meta"):
-        model = DeepSeekLM(cfg)
+        model = model_class(cfg)(cfg)
     materialize(model, device, dtype)
-    with HFReader(path, cfg, allow_unsafe_pickle) as reader:
+    with open_folder(path, cfg, allow_unsafe_pickle) as reader:
         fill_from_hf(model, reader, seed)
         _check_shared_copies(reader, model)
     return model
+
+
+def open_folder(path: str, cfg: ModelConfig | V4Config, allow_unsafe_pickle: bool = False) -> HFReader:
+    """The reader of a checkpoint folder of the model `cfg` describes."""
+    if isinstance(cfg, V4Config):
+        return open_v4(path, cfg)
+    return HFReader(path, cfg, allow_unsafe_pickle)
+
+
+def hf_tensors(
+    items: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig | V4Config, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """dstrain (key, tensor) pairs -> the checkpoint folder's (key, tensor) pairs, in the family's format
+    (DeepSeek-V4: the key style of the folder it came from), floating tensors in `dtype` (the expert bias and
+    V4's fp32 tensors stay fp32)."""
+    if isinstance(cfg, V4Config):
+        return to_v4_hf(items, cfg, source_style(cfg), dtype)
+    return to_hf(items, cfg, dtype)
+
+
+def write_config(
+    cfg: ModelConfig | V4Config, path: str | os.PathLike, dtype: torch.dtype, generation: dict | None = None
+) -> None:
+    """config.json (weights declared `dtype`, dequantized) and generation_config.json, in the family's form."""
+    if isinstance(cfg, V4Config):
+        write_v4_config(cfg, path, dtype, generation)
+    else:
+        write_hf_config(cfg, path, dtype, generation)
+
+
+def stays_fp32(cfg: ModelConfig | V4Config, key: str) -> bool:
+    """A tensor the folder holds in fp32 whatever the weights' dtype."""
+    return is_expert_bias(key) or (isinstance(cfg, V4Config) and v4_keeps_fp32(key))
 
 
 def _check_shared_copies(reader: HFReader, model: DeepSeekLM) -> None:
@@ -185,6 +223,9 @@ def save_pretrained(
     default the folder the model was loaded from), its config.json around the text model's."""
     dtype = parse_dtype(dtype)
     cfg = model.config
+    if isinstance(cfg, V4Config):  # in the key names and config.json form of the folder it came from
+        save_v4_folder(model.state_dict().items(), cfg, path, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return
     with tensors_beside(cfg, source or (cfg.hf_source or {}).get("folder")) as copied:
         save_hf_tensors(to_hf(model.state_dict().items(), cfg, dtype), path, max_shard_bytes, copied)
     write_hf_config(cfg, path, dtype or model.embed_tokens.weight.dtype)

@@ -96,6 +96,7 @@ class LoRAExperts(Experts):
     def __init__(self, base: Experts, r: int, alpha: float, generator: torch.Generator | None = None) -> None:
         nn.Module.__init__(self)
         self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        self.limit = base.limit
         self.r, self.alpha, self.scale = r, alpha, alpha / r
         e, two_i, d = _shape(base.gate_up_proj)
         i = two_i // 2
@@ -117,7 +118,9 @@ class LoRAExperts(Experts):
             getattr(self, f"{proj}_lora_B").zero_()
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x, idx, weights, self.gate_up_proj, self.down_proj, self.adapters(), self.scale)
+        return routed_experts(
+            x, idx, weights, self.gate_up_proj, self.down_proj, self.adapters(), self.scale, self.limit
+        )
 
     @torch.no_grad()
     def merge(self) -> None:

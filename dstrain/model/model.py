@@ -28,7 +28,7 @@ from .attention import (
     softmax_scale,
 )
 from .config import ModelConfig
-from .dsa import Indexer, SparseSettings, sparse_attention
+from .dsa import Indexer, SparseControls, SparseSettings, sparse_attention
 from .experts import routed_experts
 from .kernels import Linear
 from .loss import Head
@@ -55,16 +55,21 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU FFN: the dense layers and the shared experts."""
+    """SwiGLU FFN: the dense layers and the shared experts; `limit`: DeepSeek-V4's clamp (gate at most
+    `limit`, up within +-`limit`)."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = Linear(dim, hidden, bias=False)
         self.up_proj = Linear(dim, hidden, bias=False)
         self.down_proj = Linear(hidden, dim, bias=False)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MLA(nn.Module):
@@ -191,16 +196,17 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts as fused 3-D weights: gate_up_proj (E, 2I, D) [gate rows, then up rows], down_proj (E, D, I),
-    run as grouped GEMMs (experts.py)."""
+    run as grouped GEMMs (experts.py); `limit`: DeepSeek-V4's SwiGLU clamp (MLP)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, limit: float | None = None) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.limit = limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x, idx, weights, self.gate_up_proj, self.down_proj)
+        return routed_experts(x, idx, weights, self.gate_up_proj, self.down_proj, limit=self.limit)
 
 
 class MoE(nn.Module):
@@ -228,22 +234,30 @@ class MoE(nn.Module):
         out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        # Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20): per row, sum_i f_i * P_i with
-        # f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity, T the row's tokens.
-        real = torch.ones(b, t, dtype=torch.bool, device=x.device) if real is None else real
-        counted = real.repeat_interleave(k, 1).float()
-        load_per_row = torch.zeros(b, e, device=x.device).scatter_add_(1, idx.view(b, t * k), counted)
-        sp = self.seq_parallel
-        # Sequence parallel: f of the whole rows, P of this rank's tokens; the mean over the group of
-        # sum_i f_i * P_i(local) is the rows' loss, and DeepSpeed averages the group's gradients.
-        here = real.sum(dim=1, keepdim=True).float()  # (B, 1) tokens of each row on this rank
-        row = (sp.sum(here) if sp else here).clamp(min=1)
-        f = (sp.sum(load_per_row) if sp else load_per_row) * (e / k) / row
         normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
-        p = (normed.view(b, t, e) * real[..., None]).sum(dim=1) * ((sp.size if sp else 1) / row)
-        aux = (f * p).sum(dim=1).mean()
-        return out, aux, load_per_row.sum(0)
+        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
+        return out, aux, load
+
+
+def sequence_balance(
+    normed: torch.Tensor, idx: torch.Tensor, real: torch.Tensor | None, sp: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20), the mean over rows of sum_i f_i * P_i with
+    f_i = E/(k T) * (tokens routed to i) and P_i the mean normalised affinity, T the row's tokens; and the
+    expert load (E,) of the call. normed (B, T, E) affinities summing to 1 per token, idx (B, T, k); `real`
+    (B, T) bool the positions holding a token (None: all): padding counts nowhere."""
+    b, t, e = normed.shape
+    k = idx.shape[-1]
+    real = torch.ones(b, t, dtype=torch.bool, device=normed.device) if real is None else real
+    counted = real.repeat_interleave(k, 1).float()
+    load_per_row = torch.zeros(b, e, device=normed.device).scatter_add_(1, idx.reshape(b, t * k), counted)
+    # Sequence parallel: f of the whole rows, P of this rank's tokens; the mean over the group of
+    # sum_i f_i * P_i(local) is the rows' loss, and DeepSpeed averages the group's gradients.
+    here = real.sum(dim=1, keepdim=True).float()  # (B, 1) tokens of each row on this rank
+    row = (sp.sum(here) if sp else here).clamp(min=1)
+    f = (sp.sum(load_per_row) if sp else load_per_row) * (e / k) / row
+    p = (normed * real[..., None]).sum(dim=1) * ((sp.size if sp else 1) / row)
+    return (f * p).sum(dim=1).mean(), load_per_row.sum(0)
 
 
 class Block(nn.Module):
@@ -332,23 +346,47 @@ class ModelOutput(dict):
         self[name] = value
 
 
-def kernel_paths(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+def kernel_paths(cfg: Any, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Which kernels the model runs on `device` at `dtype`: attention on plain and on packed rows, the routed
     experts' GEMMs (what `dstrain env` and a run's first lines show)."""
     from .experts import grouped_mm_ok
     from .kernels import compute_dtype
 
     compute = compute_dtype(torch.empty((), dtype=dtype, device=device)) if device.type == "cpu" else dtype
-    paths = {
-        "attention": attention_path(device, dtype, packed=False),
-        "attention, packed rows": attention_path(device, dtype, packed=True),
-    }
+    own = getattr(cfg, "attention_kernel", None)  # a family with one kernel everywhere (DeepSeek-V4's)
+    paths = (
+        {"attention": own}
+        if own
+        else {
+            "attention": attention_path(device, dtype, packed=False),
+            "attention, packed rows": attention_path(device, dtype, packed=True),
+        }
+    )
     if cfg.is_moe:
         fast = grouped_mm_ok(compute, device, cfg.hidden_size, cfg.moe_intermediate_size)
         paths["experts"] = "grouped GEMM" if fast else "a GEMM per expert (offsets read once per layer)"
     if compute != dtype:
         paths["compute dtype"] = f"{str(compute).removeprefix('torch.')} (this CPU has no native bf16)"
     return paths
+
+
+def ce_sum(
+    head: nn.Module, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, hits: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """(sum of token cross-entropies over valid positions[, with `hits` the valid positions whose top-1
+    token is the target], their count); the (tokens x vocab) logits are never kept (loss.Head). A head
+    replaced by a LoRA adapter computes plain logits."""
+    h, valid = h.flatten(0, -2), valid.flatten()
+    targets = torch.where(valid, targets.flatten(), 0)
+    if isinstance(head, Head):
+        if hits:
+            return *head(h, targets, valid, hits=True), valid.sum()
+        return head(h, targets, valid), valid.sum()
+    logits = head(h).float()
+    ce = (F.cross_entropy(logits, targets, reduction="none") * valid).sum()
+    if hits:
+        return ce, ((logits.argmax(-1) == targets) & valid).sum(), valid.sum()
+    return ce, valid.sum()
 
 
 def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN201 - tensors or floats
@@ -362,7 +400,7 @@ def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN
     return loss
 
 
-class DeepSeekLM(nn.Module):
+class DeepSeekLM(SparseControls, nn.Module):
     # Sequence parallelism (dstrain.parallel.sp) sets this on the model, its MLA and MoE layers: then each
     # rank's input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it
     # (`dstrain.batch.sequence_shard`): the targets of its last positions and MTP's look-ahead inputs.
@@ -403,24 +441,6 @@ class DeepSeekLM(nn.Module):
                 layer_load = layer_load.float().to(router.e_score_correction_bias.device)
                 router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
 
-    def sparse_settings(self) -> list[SparseSettings]:
-        """Every sparse-attention layer's settings (none without DeepSeek Sparse Attention)."""
-        return [b.self_attn.sparse for b in self.blocks() if b.self_attn.sparse is not None]
-
-    def set_sparse_attention(self, stage: str) -> None:
-        """'dense': dense attention, the indexer learns (the warm-up); 'sparse': attention over the selected
-        keys, the indexer learns by the sparse KL; 'frozen': attention over the selected keys, no indexer loss."""
-        if stage not in ("dense", "sparse", "frozen"):
-            raise ValueError(f"sparse attention stage {stage!r}: choose dense, sparse or frozen")
-        for s in self.sparse_settings():
-            s.dense, s.loss = stage == "dense", stage != "frozen"
-
-    def set_indexer_grad_scale(self, scale: float | None) -> None:
-        """Factor on each indexer's KL-sum gradient (the trainer's global normalisation times the loss
-        coefficient); None: the mean over the forward's queries."""
-        for s in self.sparse_settings():
-            s.grad_scale = scale
-
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'attention' / 'mlp': only that sublayer of
         every block; 'none' (or False): nothing recomputed."""
@@ -430,6 +450,10 @@ class DeepSeekLM(nn.Module):
         self.activation_checkpointing = mode
         for block in self.blocks():
             block.recompute = mode if mode in ("attention", "mlp") else None
+
+    def indexers(self) -> list[nn.Module]:
+        """Every lightning indexer (DeepSeek Sparse Attention's full layers)."""
+        return [b.self_attn.indexer for b in self.blocks() if b.self_attn.indexer is not None]
 
     def blocks(self) -> list[Block]:
         """Every transformer block: the main model's, then the MTP modules'."""
@@ -456,20 +480,7 @@ class DeepSeekLM(nn.Module):
     def _ce_sum(
         self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, hits: bool = False
     ) -> tuple[torch.Tensor, ...]:
-        """(sum of token cross-entropies over valid positions[, with `hits` the valid positions whose top-1
-        token is the target], their count); the (tokens x vocab) logits are never kept (loss.Head). A head
-        replaced by a LoRA adapter computes plain logits."""
-        h, valid = h.flatten(0, -2), valid.flatten()
-        targets = torch.where(valid, targets.flatten(), 0)
-        if isinstance(self.lm_head, Head):
-            if hits:
-                return *self.lm_head(h, targets, valid, hits=True), valid.sum()
-            return self.lm_head(h, targets, valid), valid.sum()
-        logits = self.lm_head(h).float()
-        ce = (F.cross_entropy(logits, targets, reduction="none") * valid).sum()
-        if hits:
-            return ce, ((logits.argmax(-1) == targets) & valid).sum(), valid.sum()
-        return ce, valid.sum()
+        return ce_sum(self.lm_head, h, targets, valid, hits)
 
     def forward(
         self,

@@ -4,8 +4,9 @@ The folder is indexed up front (names and shapes only), so a wrong folder fails 
 Then each rank asks for exactly what it holds: a tensor-parallel slice along one dimension, a range of experts,
 or a flat range of elements (a ZeRO-3 partition); only those bytes are read from the files.
 `bytes_read` counts what was actually read, which is how tests check that no rank read the whole model.
-Quantized weights (DeepSeek's FP8 blocks, compressed-tensors' packed integers: QUANTIZED) are dequantized to
-fp32 as they are read; a multimodal checkpoint's tensors outside its text model are indexed, never read.
+Quantized weights (DeepSeek's FP8 blocks and FP4 experts, compressed-tensors' packed integers: QUANTIZED) are
+dequantized to fp32 as they are read; a multimodal checkpoint's tensors outside its text model are indexed,
+never read.
 """
 
 from __future__ import annotations
@@ -20,18 +21,54 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 
 from .config import ModelConfig
-from .hf import _pickle_files, checkpoint_files, hf_to_dstrain
+from .hf import Target, _pickle_files, checkpoint_files, hf_to_dstrain
 from .model import is_expert_bias
 
 FP8_BLOCK = 128
+FP4_BLOCK = 32
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+# e2m1 by its 4 bits: the sign is the high bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3's published FP8 weights: one scale per 128x128 block."""
+    """DeepSeek's published FP8 weights: one scale per 128x128 block (V3: fp32 `weight_scale_inv`, V4: e8m0
+    `scale`, a power of two), the last blocks of a shape not a multiple of 128 cut short."""
     rows, cols = weight.shape
+    grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(
+            f"FP8 weight {rows}x{cols} needs a {grid[0]}x{grid[1]} scale grid, not {tuple(scale_inv.shape)}"
+        )
     scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
     return weight.float() * scale
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's published routed experts: two e2m1 values per int8 byte (the low nibble the even column),
+    one e8m0 scale per 32 input columns. -> the fp32 weight, twice as wide as `packed` (exact: a small float
+    times a power of two)."""
+    octets = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([octets & 15, octets >> 4], -1).reshape(packed.shape[0], -1)
+    rows, cols = codes.shape
+    if tuple(scale.shape) != (rows, -(-cols // FP4_BLOCK)):
+        raise ValueError(
+            f"FP4 weight {rows}x{cols} needs {rows}x{-(-cols // FP4_BLOCK)} scales, not {tuple(scale.shape)}"
+        )
+    values = torch.tensor(FP4_VALUES)[codes.long()]
+    return values * scale.float().repeat_interleave(FP4_BLOCK, 1)[:, :cols]
+
+
+def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's `X.weight` + `X.scale`: FP8 blocks or packed FP4, told apart by the weight's dtype."""
+    if weight.dtype == torch.int8:
+        return dequantize_fp4(weight, scale)
+    if weight.dtype != _FP8:
+        raise ValueError(
+            f"a weight with a scale is FP8 (float8_e4m3fn) or packed FP4 (int8), not {weight.dtype}"
+        )
+    return dequantize_fp8(weight, scale)
 
 
 def dequantize_packed(
@@ -80,6 +117,8 @@ class Form(NamedTuple):
 QUANTIZED: dict[str, Form] = {
     # DeepSeek-V3's FP8: X.weight in float8_e4m3fn, one inverse scale per 128x128 block
     "weight_scale_inv": Form(("weight", "weight_scale_inv"), dequantize_fp8),
+    # DeepSeek-V4's FP8 (128x128 blocks) and FP4 (routed experts, 1x32 blocks): X.weight beside an e8m0 X.scale
+    "scale": Form(("weight", "scale"), dequantize_scaled),
     # compressed-tensors' pack-quantized integers, in place of X.weight
     "weight_packed": Form(
         ("weight_packed", "weight_scale", "weight_shape"), dequantize_packed, ("weight_zero_point",)
@@ -138,8 +177,18 @@ def flat_range(
 class HFReader:
     """dstrain key -> the HF tensors holding it (several for fused experts), read lazily."""
 
-    def __init__(self, path: str | os.PathLike, cfg: ModelConfig, allow_unsafe_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        cfg: ModelConfig,
+        allow_unsafe_pickle: bool = False,
+        key_map: Callable[[str], Target] | None = None,
+    ) -> None:
+        """`key_map`: HF key -> where it lives in dstrain (KeyError: not the model's); by default
+        `hf.hf_to_dstrain` of `cfg` (DeepSeek-V2/V3 names), DeepSeek-V4's from v4_hf."""
         self.path, self.cfg = str(path), cfg
+        key_map = key_map or partial(hf_to_dstrain, cfg=cfg)
+        prefix = getattr(cfg, "hf_prefix", "")  # a V4Config has no multimodal wrapper
         self.bytes_read = 0
         self._handles: dict[str, Any] = {}
         self._pickled: dict[str, torch.Tensor] = {}
@@ -159,17 +208,19 @@ class HFReader:
         # a multimodal checkpoint's tensors outside its text model (vision tower, projector): not read
         self.others: list[str] = []
         for hf_key in self.files:
-            if not hf_key.startswith(cfg.hf_prefix):
+            if not hf_key.startswith(prefix):
                 self.others.append(hf_key)
                 continue
             base, _, leaf = hf_key.rpartition(".")
-            if leaf.startswith("weight_"):  # a part of X.weight's quantized form
+            # a part of X.weight's quantized form (V4's `X.scale` only beside an X.weight: DeepSeek's mHC
+            # scalars are `hc_attn_scale`, but a bare `.scale` is no quantization scale)
+            if leaf.startswith("weight_") or (leaf == "scale" and f"{base}.weight" in self.files):
                 self.quantized.setdefault(f"{base}.weight", {})[leaf] = hf_key
                 if leaf not in QUANTIZED or "weight" in QUANTIZED[leaf].parts:
                     continue
                 hf_key = f"{base}.weight"  # the form replaces X.weight: it stands for it
             try:
-                tgt = hf_to_dstrain(hf_key, cfg)
+                tgt = key_map(hf_key)
             except KeyError:
                 self.unexpected.append(hf_key)
                 continue
@@ -285,7 +336,10 @@ class HFReader:
                 return (rows, words * 32 // packed_bits(self.cfg))
             except ValueError as exc:
                 raise ValueError(f"{self.path}: {exc}") from None
-        return self._stored_shape(hf_key)
+        shape = self._stored_shape(hf_key)
+        if "scale" in self.quantized.get(hf_key, {}) and self._raw_dtype(hf_key) == torch.int8:
+            return (shape[0], 2 * shape[1])  # packed FP4: two values per byte
+        return shape
 
     def _stored_shape(self, hf_key: str) -> tuple[int, ...]:
         if hf_key in self._pickled:
@@ -307,7 +361,7 @@ class HFReader:
         parts = self.quantized.get(hf_key)
         if parts is None:
             if _FP8 is not None and self._raw_dtype(hf_key) == _FP8:
-                raise ValueError(f"{self.path}: FP8 tensor {hf_key} has no weight_scale_inv")
+                raise ValueError(f"{self.path}: FP8 tensor {hf_key} has no weight_scale_inv or scale")
             return self._raw(hf_key, dim, start, stop)
         form = self._form(hf_key)
         keys = {**parts, "weight": hf_key}
@@ -454,4 +508,5 @@ _SAFE_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     **({"F8_E4M3": _FP8} if _FP8 is not None else {}),
+    **({"F8_E8M0": _E8M0} if _E8M0 is not None else {}),
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.model import ModelConfig
+from dstrain.model import ModelConfig, V4Config
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,13 @@ class ParallelDims:
         ]
         return " x ".join(parts)
 
-    def validate(self, cfg: ModelConfig, zero_stage: int, *, offload: bool = False) -> None:
+    def validate(self, cfg: ModelConfig | V4Config, zero_stage: int, *, offload: bool = False) -> None:
         """One-line ValueErrors for layouts this model or ZeRO stage cannot take."""
+        if isinstance(cfg, V4Config) and (self.pp > 1 or self.tp > 1 or self.sp > 1):
+            raise ValueError(
+                f"{self.describe()}: DeepSeek-V4 trains with data parallelism (ZeRO 0-3) and --ep so far; "
+                "--pp, --tp and --sp are not built for its streams and compressed attention yet"
+            )
         if self.tp > 1:
             if cfg.num_attention_heads % self.tp:
                 raise ValueError(f"--tp {self.tp} must divide num_attention_heads {cfg.num_attention_heads}")

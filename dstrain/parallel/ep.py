@@ -18,6 +18,7 @@ from torch import nn
 from dstrain.model.experts import Adapters, combine, group_by_expert, grouped_swiglu
 from dstrain.model.lora import EXPERT_ADAPTERS, LoRAExperts
 from dstrain.model.model import Experts, MoE
+from dstrain.model.v4 import V4MoE
 
 from .comm import all_to_all, exchange_counts
 from .dims import Groups
@@ -40,6 +41,7 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         self.ep_size, self.ep_group = ep, g.ep
         self.expert_group_name = group_name(ep)
         self.lora = isinstance(experts, LoRAExperts)
+        self.limit = experts.limit  # DeepSeek-V4's SwiGLU clamp
         if self.lora:
             self.r, self.alpha, self.scale = experts.r, experts.alpha, experts.scale
         for name in ("gate_up_proj", "down_proj", *(EXPERT_ADAPTERS if self.lora else ())):
@@ -72,7 +74,13 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
         adapters = Adapters(*(getattr(self, n) for n in EXPERT_ADAPTERS)) if self.lora else None
         ys = grouped_swiglu(
-            xs[by_expert], offs, self.gate_up_proj, self.down_proj, adapters, self.scale if self.lora else 0.0
+            xs[by_expert],
+            offs,
+            self.gate_up_proj,
+            self.down_proj,
+            adapters,
+            self.scale if self.lora else 0.0,
+            self.limit,
         )
         ys = torch.empty_like(ys).index_copy(0, by_expert, ys)
         ys = all_to_all(ys, recv, send, self.ep_group)
@@ -83,7 +91,7 @@ def apply_expert_parallel(model: nn.Module, g: Groups) -> None:
     if g.dims.ep == 1:
         return
     for module in list(model.modules()):
-        if isinstance(module, MoE):
+        if isinstance(module, MoE | V4MoE):
             module.experts = ExpertParallelExperts(module.experts, g)
 
 

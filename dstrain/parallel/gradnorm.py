@@ -31,9 +31,13 @@ def local_sum_of_squares(optimizer: Any, g: Groups) -> torch.Tensor:
         )
         if grads is None:
             continue
-        # DeepSpeed pads partitions with marked zero tensors that belong to no parameter.
+        # DeepSpeed pads partitions with zero tensors that belong to no parameter: marked, except the last
+        # partition's tail padding without round-robin padding (0.19.8's _get_flat_partition_unpadded; seen
+        # with DeepSeek-V4's small mHC vectors ending a group), which can only come after the parameters.
         grads = [x for x in grads if not getattr(x, "_zero_padding", False)]
-        for grad, param in zip(grads, optimizer.params_in_partition[i], strict=True):
+        params = optimizer.params_in_partition[i]
+        assert len(grads) in (len(params), len(params) + 1), (len(grads), len(params))
+        for grad, param in zip(grads, params, strict=False):
             if counted_here(param, g):
                 total += grad.detach().double().pow(2).sum().to(total.device)
     return total

@@ -25,8 +25,8 @@ from torch import nn
 
 from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM, ModelConfig
-from dstrain.model.init import FreshWeights, init_weights, local_tensors
-from dstrain.model.loading import check_folder, fill_from_hf, materialize, warn_fresh_mtp
+from dstrain.model.init import FreshWeights, init_weights, local_tensors, model_class
+from dstrain.model.loading import check_folder, fill_from_hf, materialize, open_folder, warn_fresh_mtp
 from dstrain.model.lora import init_adapters
 from dstrain.model.reader import HFReader
 from dstrain.parallel.pipe import Objective
@@ -57,7 +57,7 @@ def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective
 
 def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
     cfg, seed, folder = plan.model, plan.opts.run.seed, plan.model_folder
-    reader = HFReader(folder, cfg) if folder is not None else None
+    reader = open_folder(folder, cfg) if folder is not None else None
     with PeakRSS() as peak, contextlib.ExitStack() as stack:
         if reader is not None:
             stack.enter_context(reader)
@@ -65,7 +65,7 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
             model, fresh = _zero3(cfg, reader, plan.ds, seed, device)
         else:
             with torch.device("meta"):  # this rank's tensors get memory once parallelised
-                model = DeepSeekLM(cfg)
+                model = model_class(cfg)(cfg)
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
@@ -115,7 +115,7 @@ def _zero3(
     NVME = OffloadDeviceEnum.nvme  # noqa: N806
 
     with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
-        model = DeepSeekLM(cfg)
+        model = model_class(cfg)(cfg)
     missing = check_folder(reader, cfg) if reader is not None else None
     fresh = FreshWeights(cfg, seed, device)
     for name, t in local_tensors(model):

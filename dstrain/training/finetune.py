@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dstrain.config.options import LoRAOptions
 from dstrain.errors import ConfigError
-from dstrain.model import DeepSeekLM
+from dstrain.model import DeepSeekLM, V4Config
 from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
+from dstrain.model.model import Router
 
 
 def apply_finetune_options(
@@ -22,6 +23,8 @@ def apply_finetune_options(
             f"--lora_targets {lora.lora_targets} adapts the routers (gate) and --train_router trains them in "
             "full: choose one"
         )
+    if lora.lora_r > 0 and isinstance(model.config, V4Config):
+        raise ConfigError(f"--lora_r {lora.lora_r}: LoRA on DeepSeek-V4 is not built yet (train it in full)")
     if lora.lora_r > 0:
         try:
             names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets, seed=seed)
@@ -33,15 +36,10 @@ def apply_finetune_options(
     for p in model.mtp.parameters():
         if id(p) not in adapted:  # a LoRA base weight stays frozen whatever train_mtp says
             p.requires_grad = lora.train_mtp
-    for router in model.routers():
-        if not isinstance(router, LoRARouter):
+    for router in model.modules():  # every gate: V4's hash layers' too (routers() lists the biased ones)
+        if isinstance(router, Router) and not isinstance(router, LoRARouter):
             router.weight.requires_grad = lora.train_router
-    indexers = {
-        id(p)
-        for b in model.blocks()
-        if b.self_attn.indexer is not None
-        for p in b.self_attn.indexer.parameters()
-    }
+    indexers = {id(p) for indexer in model.indexers() for p in indexer.parameters()}
     if dsa_stage == "dense":
         for p in model.parameters():
             p.requires_grad = p.requires_grad and id(p) in indexers

@@ -42,6 +42,42 @@ def tiny_config(**kw: Any):  # noqa: ANN201 - a dstrain ModelConfig
     return ModelConfig(**base)
 
 
+def tiny_v4_config(**kw: Any):  # noqa: ANN201 - a dstrain V4Config
+    """A DeepSeek-V4 model of the same scale, every V4 part on at the test rows' 32 tokens: a CSA layer (8
+    entries of rate 4 against a top-k of 3) behind a hash layer, an HCA layer (rate 8), a sliding one (a window
+    of 8), 2 residual streams, MTP depth 1, nonzero balance loss and bias speed."""
+    from dstrain.model import V4Config
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        head_dim=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        hc_mult=2,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=8,
+        index_head_dim=8,
+        index_topk=3,
+        num_nextn_predict_layers=1,
+        bias_update_speed=0.01,
+        aux_loss_alpha=0.01,
+        mtp_loss_weight=0.3,
+    )
+    base.update(kw)
+    return V4Config(**base)
+
+
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

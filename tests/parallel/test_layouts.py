@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.ranks import launch
-from tests.helpers.tiny import tiny_config, tiny_dsa_config
+from tests.helpers.tiny import tiny_config, tiny_dsa_config, tiny_v4_config
 from tests.helpers.trainer import make_options, reference_run
 from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, MUON, RESHARD, RESHARD_DSA, STEPS, common
 
@@ -27,6 +27,11 @@ FOUR = ["dp4_z1", "pp2dp2", "tp2dp2", "ep2dp2", "pp2tp2"]
 TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' split over the EP ranks
 # DeepSeek Sparse Attention, sparse stage: V3.2 in every layout; GLM-5's shared layer alone on a pipeline stage
 TWO_DSA = ["dsa_z3", "dsa_pp2", "glm_pp2", "dsa_tp2", "dsa_ep2", "dsa_sp2"]
+TWO_V4 = [
+    "v4_z1",
+    "v4_z3",
+    "v4_ep2",
+]  # DeepSeek-V4, the CSA indexer in its sparse stage (launched with DSA's)
 BF16 = ["pp2_bf16", "tp2_bf16", "ep2_bf16"]  # against dp2_bf16
 TWO_MUON = ["muon_z0", "muon_z1", "muon_z2", "muon_z3", "muon_ep2", "muon_pp2", "muon_sp2", "muon_ep2_lora"]
 
@@ -82,13 +87,18 @@ def dsa_reference():
             tiny_dsa_config(glm=glm), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state
         )
         out[glm] = hist, state
+    state = {}
+    out["v4"] = (
+        reference_run(tiny_v4_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state),
+        state,
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def dsa_two_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dsa2")
-    return tmp, _launch(tmp, 2, TWO_DSA)
+    return tmp, _launch(tmp, 2, TWO_DSA + TWO_V4)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +117,14 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _check(tmp, name: str, got: dict, reference, lora: bool = False, param: float = 2e-5) -> dict[str, float]:
+def _check(
+    tmp, name: str, got: dict, reference, lora: bool = False, param: float = 2e-5, loose=None
+) -> dict[str, float]:
+    """`loose`: (pattern, bound) for final weights held to a bound of their own (the rest: `param`)."""
     from dstrain.checkpoint.weights import iter_weights
 
     ref_hist, ref_state = reference
-    dev = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0}
+    dev = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0, "loose": 0.0}
     for g, want in zip(got["history"], ref_hist, strict=True):
         assert lora or want["grad_norm"] > 0.5  # the clip binds every step (the adapters' norm is smaller)
         dev["loss"] = max(dev["loss"], _rel(g["loss"], want["loss"]))
@@ -122,7 +135,8 @@ def _check(tmp, name: str, got: dict, reference, lora: bool = False, param: floa
         want = ref_state[key]
         assert value.shape == want.shape, key
         err = float((value - want).abs().max()) / max(float(want.abs().max()), 1e-12)
-        dev["param"] = max(dev["param"], err)
+        kind = "loose" if loose is not None and re.search(loose[0], key) else "param"
+        dev[kind] = max(dev[kind], err)
         seen.add(key)
     assert seen == set(ref_state) - {"eval"}, set(ref_state) ^ seen
     assert got["resumed"] == [h["loss"] for h in got["history"]][3:]
@@ -139,8 +153,9 @@ def _check(tmp, name: str, got: dict, reference, lora: bool = False, param: floa
     # step of up to lr (seen: one element of kv_a_proj_with_mqa at 1.02e-5 in TP2 and ZeRO-3); the loss and
     # the grad norm, which every element feeds, are held to 1e-5.
     # Adapters: an idle expert's tiny gradient, amplified the same way, up to 2.6e-5 (test_finetune.py).
+    bounds = {"param": 1e-4 if lora else param, "loose": loose[1] if loose else 0.0}
     for k, v in dev.items():
-        assert v <= ((1e-4 if lora else param) if k == "param" else 1e-5), (name, k, v)
+        assert v <= bounds.get(k, 1e-5), (name, k, v)
     return dev
 
 
@@ -236,6 +251,35 @@ def test_sparse_attention_layouts_match_one_process(dsa_two_rank, dsa_reference,
         )
     assert dev["indexer_loss"] <= 1e-5, dev
     print(name, dev)
+
+
+@pytest.mark.parametrize("name", TWO_V4)
+def test_v4_layouts_match_one_process(dsa_two_rank, dsa_reference, name):
+    """DeepSeek-V4 (mHC streams, every attention kind on packed rows, a hash layer, MTP, the CSA indexer's KL
+    in the sparse stage) in data parallelism with ZeRO 1 and 3 and in expert parallelism: 8 steps with the
+    clip binding equal one process's, the hash table included among the final weights, unchanged."""
+    tmp, res = dsa_two_rank
+    reference = dsa_reference["v4"]
+    # The mHC biases start at 0 and take 8 Adam steps of ~lr; their gradients sum many small terms of both
+    # signs (fp32 rounds them to ~3e-5 relative, transformers' own as ours: test_v4_parity.py), which Adam's
+    # normalisation turns into steps that differ by up to 6.3e-4 of the biases' size (loss and grad norm
+    # within 1e-7 meanwhile).
+    dev = _check(tmp, name, res[name], reference, param=5e-5, loose=(r"(\.base|hc_base)$", 2e-3))
+    for got, want in zip(res[name]["history"], reference[0], strict=True):
+        dev["indexer_loss"] = max(
+            dev.get("indexer_loss", 0.0), _rel(got["indexer_loss"], want["indexer_loss"])
+        )
+    assert dev["indexer_loss"] <= 1e-5, dev
+    print(name, dev)
+
+
+def test_v4_hash_table_never_trains(dsa_reference):
+    """The reference's hash layer still routes by the table it started with after 8 steps."""
+    from dstrain.model import build_model
+
+    fresh = build_model(tiny_v4_config(), seed=make_options(common(1).split()).run.seed)
+    table = "layers.0.mlp.gate.tid2eid"
+    assert torch.equal(dsa_reference["v4"][1][table], fresh.state_dict()[table])
 
 
 @pytest.mark.parametrize("name", FOUR)
@@ -359,7 +403,7 @@ def dsa_resharded(dsa_two_rank, tmp_path_factory):
 @pytest.mark.parametrize("run", [f"{t}@{s}" for pairs in RESHARD_DSA.values() for t, s in pairs])
 def test_sparse_attention_resumes_on_another_layout(dsa_two_rank, dsa_resharded, dsa_reference, run):
     """The indexers' weights and moments re-shard like the rest: the resumed steps equal the uninterrupted."""
-    got, want = dsa_resharded[run], dsa_reference[False][0][3:]
+    got, want = dsa_resharded[run], dsa_reference["v4" if run.startswith("v4_") else False][0][3:]
     assert [h["step"] for h in got] == list(range(4, STEPS + 1))
     dev = max(_rel(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in ("loss", "grad_norm"))
     assert dev <= 1e-5, (run, dev)

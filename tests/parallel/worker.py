@@ -77,6 +77,11 @@ LAYOUTS = {  # name -> flags
     "muon_sp2": f"--config zero2 --sp 2 {MUON}",
     "muon_ep2_lora": f"--config zero2 --ep 2 {MUON} {LORA}",
     "muon_dp1": f"--config zero1 {MUON}",
+    # DeepSeek-V4 (test_layouts.py::test_v4_layouts_match_one_process): the CSA indexer in its sparse stage
+    "v4_z1": f"--config zero1 {DSA}",
+    "v4_z3": f"--config zero3 {DSA}",
+    "v4_ep2": f"--config zero2 --ep 2 {DSA}",
+    "v4_dp1": f"--config zero1 {DSA}",
     # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
     # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
     "dp2_bf16": "--config {out}/zero1_overlap.json --precision bf16",
@@ -95,7 +100,10 @@ RESHARD = {
     4: [("dp4_z1", "dp2_z1"), ("dp4_z2", "dp2_z2"), ("dp4_z3", "dp2_z3")],
 }
 # Sparse attention: ranks -> (target, source) as RESHARD
-RESHARD_DSA = {1: [("dsa_dp1", "dsa_tp2")], 2: [("dsa_ep2", "dsa_pp2")]}
+RESHARD_DSA = {
+    1: [("dsa_dp1", "dsa_tp2"), ("v4_dp1", "v4_ep2")],
+    2: [("dsa_ep2", "dsa_pp2"), ("v4_z3", "v4_ep2")],
+}
 # Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
 # from the start, and 1 rank continuing the 2-rank run's step-3 checkpoint.
 DATA = {1: ["data_dp1", "data_dp1@data_dp2"], 2: ["data_dp2"]}
@@ -126,9 +134,12 @@ FT_STEPS = 3
 
 
 def model_for(layout: str):  # noqa: ANN201 - a dstrain ModelConfig
-    """The tiny test model a layout trains: with sparse attention for dsa_* (V3.2) and glm_* (GLM-5)."""
-    from tests.helpers.tiny import tiny_config, tiny_dsa_config
+    """The tiny test model a layout trains: with sparse attention for dsa_* (V3.2) and glm_* (GLM-5),
+    DeepSeek-V4 for v4_*."""
+    from tests.helpers.tiny import tiny_config, tiny_dsa_config, tiny_v4_config
 
+    if layout.startswith("v4_"):
+        return tiny_v4_config()
     if layout.startswith(("dsa_", "glm_")):
         return tiny_dsa_config(glm=layout.startswith("glm_"))
     return tiny_config()

@@ -1,0 +1,291 @@
+"""DeepSeek-V4 causal LM as plain single-device PyTorch: mHC streams, V4 attention, hash and biased MoE, MTP.
+
+Module names are transformers' `DeepseekV4ForCausalLM` names minus `model.` (v4_hf.py maps DeepSeek's own);
+MTP modules (which transformers does not build) follow DeepSeek's `MTPBlock`. The pieces V4 shares with V3
+(fused grouped-GEMM experts, the chunked cross-entropy head, the balance loss, the bias update) are model.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dstrain.batch import real_pairs, real_tokens, target_mask
+
+from .dsa import SparseControls
+from .kernels import Linear
+from .loss import Head
+from .mhc import HyperConnection, HyperHead, expand
+from .model import (
+    EXPERT_BIAS,
+    MLP,
+    Experts,
+    ModelOutput,
+    Router,
+    ce_sum,
+    combine_losses,
+    sequence_balance,
+)
+from .v4_attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
+from .v4_config import V4Config
+
+HASH_TABLE = "tid2eid"
+
+
+def keeps_fp32(module: nn.Module, name: str) -> bool:
+    """V4's small tensors of fp32 computations (mHC weights, attention sinks, compressor position biases):
+    DeepSeek ships them in fp32 and transformers keeps them so; a bf16 model keeps them fp32 too."""
+    return isinstance(module, HyperConnection | HyperHead) or name in ("sinks", "position_bias")
+
+
+def is_hash_table(name: str) -> bool:
+    """A hash layer's token -> experts table: a buffer saved with the weights, never trained."""
+    return name.rpartition(".")[2] == HASH_TABLE
+
+
+class V4Router(Router):
+    """sqrt(softplus) scores; the selection is the top-k of scores + `e_score_correction_bias`, or on a hash
+    layer the frozen token -> experts table `tid2eid` (no bias there); weights are the selected scores
+    normalised, times routed_scaling_factor. Router's `_apply` keeps the bias fp32."""
+
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        nn.Module.__init__(self)  # Router's own __init__ reads V3 routing fields
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long)
+            )
+            self.e_score_correction_bias = None
+        else:
+            self.tid2eid = None
+            self.register_buffer(EXPERT_BIAS, torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):  # noqa: ANN201
+        """x (N, D), ids (N,) the tokens (hash layers) -> scores (N, E) fp32, experts (N, k), weights (N, k)."""
+        scores = F.softplus(self.logits(x)).sqrt()
+        if self.tid2eid is not None:
+            idx = self.tid2eid[ids.reshape(-1)]
+        else:
+            idx = (
+                (scores.detach() + self.e_score_correction_bias)
+                .topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False)
+                .indices
+            )
+        weights = scores.gather(1, idx)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * self.cfg.routed_scaling_factor
+
+
+class V4MoE(nn.Module):
+    """Routed experts (SwiGLU clamped at swiglu_limit) plus one shared expert (clamped too, as DeepSeek's
+    reference and transformers clamp it). The sequence-balance loss and the expert load are a biased layer's
+    only: a hash layer's selection is fixed by its table, so neither balancing acts on it."""
+
+    seq_parallel = None
+
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        self.hashed = cfg.is_hash_layer(layer_idx)
+        self.gate = V4Router(cfg, self.hashed)
+        self.experts = Experts(cfg, limit=cfg.swiglu_limit)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size, limit=cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, real: torch.Tensor | None):  # noqa: ANN201
+        b, t, d = x.shape
+        scores, idx, weights = self.gate(x.reshape(-1, d), ids)
+        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d) + self.shared_experts(x)
+        if self.hashed:
+            return out, None, None
+        normed = scores / scores.sum(dim=-1, keepdim=True)
+        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
+        return out, aux, load
+
+
+class V4Block(nn.Module):
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.self_attn = V4Attention(cfg, layer_idx)
+        self.mlp = V4MoE(cfg, layer_idx)
+        self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+        self.recompute_hc = False  # the mHC weights (fp32 norm, projection, Sinkhorn) recomputed in backward
+
+    def forward(self, streams, inputs, ids, real):  # noqa: ANN001, ANN201 - via checkpoint()
+        """streams (B, T, n, D), V4Inputs, the tokens (hash routing), the positions holding one -> (streams,
+        balance loss or None, expert load or None)."""
+        post, comb, x = self._hc(self.attn_hc, streams)
+        streams = expand(post, comb, self.self_attn(self.input_layernorm(x), inputs), streams)
+        post, comb, x = self._hc(self.ffn_hc, streams)
+        out, aux, load = self.mlp(self.post_attention_layernorm(x), ids, real)
+        return expand(post, comb, out, streams), aux, load
+
+    def _hc(self, hc: HyperConnection, streams: torch.Tensor):  # noqa: ANN202
+        # Kept for backward otherwise: two fp32 (T, n D) copies of the streams and ~2 iters (n x n) temporaries
+        # per token; recomputed, only the streams (held anyway) and the small outputs stay.
+        if self.recompute_hc and self.training:
+            return checkpoint(hc, streams, use_reentrant=False)
+        return hc(streams)
+
+
+class V4MTPLayer(nn.Module):
+    """Depth-k MTP (DeepSeek's MTPBlock): the embedding of the token k ahead and the previous depth's streams
+    (before the main HC head) projected and added per stream, one block, its own HC head and norm, the shared
+    head."""
+
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.e_proj = Linear(d, d, bias=False)
+        self.h_proj = Linear(d, d, bias=False)
+        self.enorm = V4RMSNorm(d, eps)
+        self.hnorm = V4RMSNorm(d, eps)
+        self.norm = V4RMSNorm(d, eps)
+        self.hc_head = HyperHead(d, cfg.hc_mult, cfg.hc_eps, eps)
+        self.block = V4Block(cfg, layer_idx)
+
+    def inputs(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+
+
+class DeepSeekV4LM(SparseControls, nn.Module):
+    """The V4 model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(),
+    update_expert_bias(), set_activation_checkpointing(), the CSA indexers' stages (SparseControls)."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.config = cfg
+        n = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V4Block(cfg, i) for i in range(n))
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+        self.lm_head = Head(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(V4MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
+        self.moe_layer_ids = [i for i, b in enumerate(self.blocks()) if not b.mlp.hashed]
+        self.activation_checkpointing = "none"
+        self.rope = V4Rope(cfg)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def blocks(self) -> list[V4Block]:
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def indexers(self) -> list[nn.Module]:
+        """Every CSA layer's lightning indexer."""
+        return [b.self_attn.compressor.indexer for b in self.blocks() if b.self_attn.sparse is not None]
+
+    def routers(self) -> list[V4Router]:
+        """The routers whose expert load the forward reports (biased layers: main, then MTP), in that order."""
+        return [b.mlp.gate for b in self.blocks() if not b.mlp.hashed]
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """bias_i += γ·sign(mean(load) − load_i) per biased layer; `tid2eid` never changes."""
+        gamma = self.config.bias_update_speed
+        if gamma == 0:
+            return
+        for router, layer_load in zip(self.routers(), load, strict=True):
+            bias = router.e_score_correction_bias
+            bias.add_(gamma * torch.sign(layer_load.float().mean() - layer_load.float()).to(bias.device))
+
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """'full' (or True): every block recomputed in backward; 'mhc': the mHC weights of every sublayer
+        recomputed; 'none' (or False): nothing."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        if mode not in ("none", "full", "mhc"):
+            raise ValueError(f"activation checkpointing {mode!r}: DeepSeek-V4 runs none, full or mhc")
+        self.activation_checkpointing = mode
+        for block in self.blocks():
+            block.recompute_hc = mode == "mhc"
+
+    def run_block(self, block: V4Block, streams: torch.Tensor, *args):  # noqa: ANN002, ANN201
+        if self.activation_checkpointing == "full" and self.training:
+            return checkpoint(block, streams, *args, use_reentrant=False)
+        return block(streams, *args)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """As DeepSeekLM.forward: input_ids (B, T); position_ids restarting at 0 per packed document (-1:
+        padding); labels unshifted, -100 not a target."""
+        cfg = self.config
+        b, t = input_ids.shape
+        pos = (
+            position_ids
+            if position_ids is not None
+            else torch.arange(t, device=input_ids.device).expand(b, t)
+        )
+        doc = document_ids(position_ids) if position_ids is not None else None
+        inputs = V4Inputs(self.rope, pos, doc)
+        real = real_tokens(position_ids)
+        streams = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        aux, loads = None, []
+        for block in self.layers:
+            streams, block_aux, load = self.run_block(block, streams, inputs, input_ids, real)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+        hidden = self.norm(self.hc_head(streams))
+        out = ModelOutput()
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        if labels is not None:
+            n = t - 1
+            out.lm_loss_sum, out.lm_tokens = ce_sum(
+                self.lm_head, hidden[:, :n], labels[:, 1:], target_mask(labels, position_ids, 1)
+            )
+            if len(self.mtp):
+                aux = self._mtp(out, streams, input_ids, inputs, position_ids, labels, aux, loads)
+        if inputs.stats:
+            out.indexer_stats = torch.stack(list(inputs.stats.values())).sum(0)
+        if aux is not None:
+            out.aux_loss = aux
+            out.expert_load = torch.stack(loads).detach()
+        if labels is not None:
+            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if len(self.mtp) else None
+            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
+        return out
+
+    def _mtp(self, out, streams, input_ids, inputs, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
+        """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
+        b, t = input_ids.shape
+        sums, counts = [], []
+        for k, mtp in enumerate(self.mtp, start=1):
+            ahead = F.pad(input_ids[:, k:], (0, k))
+            streams = mtp.inputs(self.embed_tokens(ahead), streams)
+            real = real_pairs(position_ids, b, t, k, input_ids.device)
+            streams, block_aux, load = self.run_block(mtp.block, streams, inputs, ahead, real)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+            shift = k + 1
+            if t > shift:
+                hits = k == 1 and not self.training  # evaluation: depth 1's draft acceptance too
+                s, *rest, c = ce_sum(
+                    self.lm_head,
+                    mtp.norm(mtp.hc_head(streams))[:, : t - shift],
+                    labels[:, shift:],
+                    target_mask(labels, position_ids, shift),
+                    hits,
+                )
+                if hits:
+                    (out.mtp_hits,) = rest
+            else:
+                s, c = streams.new_zeros((), dtype=torch.float32), labels.new_zeros(())
+            sums.append(s)
+            counts.append(c)
+        out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
+        return aux
