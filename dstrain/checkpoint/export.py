@@ -216,6 +216,11 @@ def check_adapter_only(lora: dict[str, Any] | None, cfg: ModelConfig) -> None:
     """An adapter folder needs adapters; say what it carries beyond them (what vLLM then refuses)."""
     if not lora:
         raise ConfigError("--adapter_only: the checkpoint has no LoRA adapters (it was a full fine-tune)")
+    if isinstance(cfg, V4Config):
+        raise ConfigError(
+            "--adapter_only: DeepSeek-V4 adapters export merged only for now (no serving layout for its LoRA "
+            "adapters is built): drop --adapter_only"
+        )
     if cfg.is_moe and (lora.get("train_router", True) or _bias_trained(lora, cfg)):
         log.warning(
             "--adapter_only: the routers changed in full (--train_router, or the expert bias with "

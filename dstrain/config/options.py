@@ -49,12 +49,13 @@ class ModelOptions:
     """alpha: weight of the sequence-wise balance loss (default: the model config's)."""
     mtp_loss_weight: float | None = None
     """lambda: weight of the multi-token-prediction loss (default: the model config's)."""
-    activation_checkpointing: Literal["none", "full", "attention", "mlp"] = field(
+    activation_checkpointing: Literal["none", "full", "attention", "mlp", "mhc"] = field(
         default="none", metadata={"bare": "full", "negated": "none"}
     )
     """Recompute in backward instead of storing: 'full' each transformer block; 'attention' only the attention
-    sublayers; 'mlp' only the MLP / MoE sublayers; 'none' stores everything. A bare --activation_checkpointing
-    is 'full', --no-activation_checkpointing 'none'."""
+    sublayers; 'mlp' only the MLP / MoE sublayers; 'mhc' (DeepSeek-V4) only each hyper-connection's weights
+    (its fp32 norm, projection and Sinkhorn iterations); 'none' stores everything. A bare
+    --activation_checkpointing is 'full', --no-activation_checkpointing 'none'."""
     dsa_stage: Literal["auto", "dense", "sparse", "frozen"] = "auto"
     """Sparse attention (DeepSeek-V3.2, GLM-5): 'dense' is DeepSeek's warm-up (dense attention, every weight
     but the lightning indexers frozen, only the indexer loss trains); 'sparse' attends to the chosen keys and

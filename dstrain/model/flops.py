@@ -166,7 +166,7 @@ def _v4_flops_per_token(cfg: V4Config, seq_len: int, include_mtp: bool, sparse: 
     for i in layers:
         kind, rate = cfg.attention_type(i), cfg.compress_rate(i)
         entries = _mean_min(seq_len, rate, seq_len) if rate else 0.0
-        if kind == "compressed_sparse_attention":
+        if kind == CSA:
             index += 6 * entries * cfg.index_n_heads * (cfg.index_head_dim + 1)
             if sparse:
                 entries = _mean_min(seq_len, rate, cfg.index_topk)

@@ -86,6 +86,11 @@ class LoRALinear(Linear):
     def merge(self) -> None:
         self.weight.copy_(merged_weight(self.weight, self.lora_A, self.lora_B, self.scale))
 
+    def effective_weight(self) -> torch.Tensor:
+        """W + (alpha / r) · B A, differentiable: for a caller that uses the weight itself rather than the
+        layer (DeepSeek-V4's block-diagonal output projection)."""
+        return self.weight + (self.lora_B @ self.lora_A) * self.scale
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
@@ -143,10 +148,7 @@ class LoRARouter(Router):
         nn.Module.__init__(self)
         self.cfg = base.cfg
         self.weight = base.weight
-        if base.e_score_correction_bias is not None:
-            self.register_buffer("e_score_correction_bias", base.e_score_correction_bias)
-        else:
-            self.e_score_correction_bias = None
+        _share_buffers(base, self)
         self.r, self.alpha, self.scale = r, alpha, alpha / r
         w = base.weight
         e, d = _shape(w)
@@ -163,6 +165,34 @@ class LoRARouter(Router):
         delta = F.linear(F.linear(x, self.lora_A.float()), self.lora_B.float()) * self.scale
         return F.linear(x, self.weight.float()) + delta
 
+
+ROUTER_BUFFERS = ("e_score_correction_bias", "tid2eid")  # the expert bias; DeepSeek-V4's hash table
+
+
+def _share_buffers(base: Router, out: Router) -> None:
+    """`out` holds `base`'s routing buffers (the same tensors), or None where `base` has none."""
+    for name in ROUTER_BUFFERS:
+        buf = getattr(base, name, None)
+        if buf is not None:
+            out.register_buffer(name, buf)
+        elif hasattr(base, name):
+            setattr(out, name, None)
+
+
+_ROUTER_KINDS: dict[type, type] = {Router: LoRARouter}
+
+
+def adapted_router(cls: type[Router]) -> type[LoRARouter]:
+    """The adapted kind of a router class: its own routing (DeepSeek-V4's scores, hash tables) with
+    LoRARouter's logits."""
+    if cls not in _ROUTER_KINDS:
+        _ROUTER_KINDS[cls] = type(f"LoRA{cls.__name__}", (LoRARouter, cls), {})
+    return _ROUTER_KINDS[cls]
+
+
+def _router_base(m: LoRARouter) -> type[Router]:
+    return next(c for c in type(m).__mro__ if issubclass(c, Router) and not issubclass(c, LoRARouter))
+
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}"
 
@@ -175,16 +205,14 @@ def _unadapted(m: nn.Module) -> nn.Module:
     if isinstance(m, LoRAExperts):
         out = Experts.__new__(Experts)
         nn.Module.__init__(out)
-        out.gate_up_proj, out.down_proj = m.gate_up_proj, m.down_proj
+        out.gate_up_proj, out.down_proj, out.limit = m.gate_up_proj, m.down_proj, m.limit
         return out
     if isinstance(m, LoRARouter):
-        out = Router.__new__(Router)
+        cls = _router_base(m)
+        out = cls.__new__(cls)
         nn.Module.__init__(out)
         out.cfg, out.weight = m.cfg, m.weight
-        if m.e_score_correction_bias is not None:
-            out.register_buffer("e_score_correction_bias", m.e_score_correction_bias)
-        else:
-            out.e_score_correction_bias = None
+        _share_buffers(m, out)
         return out
     out = Linear.__new__(Linear)
     nn.Module.__init__(out)
@@ -247,7 +275,7 @@ def apply_lora(model: DeepSeekLM, r: int, alpha: float, targets: list[str], seed
         kind = (
             LoRAExperts
             if isinstance(base, Experts)
-            else LoRARouter
+            else adapted_router(type(base))
             if isinstance(base, Router)
             else LoRALinear
         )

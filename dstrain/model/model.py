@@ -405,6 +405,8 @@ class DeepSeekLM(SparseControls, nn.Module):
     # rank's input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it
     # (`dstrain.batch.sequence_shard`): the targets of its last positions and MTP's look-ahead inputs.
     seq_parallel: Any = None
+    # Sparse attention's indexer figures are the whole rows', alike on every sequence-parallel rank.
+    indexer_figures_per_slice = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -527,6 +529,15 @@ class DeepSeekLM(SparseControls, nn.Module):
         layout = attention_layout(whole, b, t * (sp.size if sp else 1), device)
         layout.real = real_tokens(position_ids)  # this rank's tokens (padding: no token)
         return self._rope(pos), layout
+
+    def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> tuple:
+        """What a pipeline stage's blocks and `finish` read besides the hidden states: (rope, layout)."""
+        b, t = position_ids.shape
+        return self.rope_and_layout(position_ids, b, t, position_ids.device)
+
+    def streams_of(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The residual stream at the bottom (one: the embedding itself; DeepSeek-V4 has several)."""
+        return embedded
 
     @property
     def halo(self) -> int:

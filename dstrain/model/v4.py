@@ -7,12 +7,15 @@ MTP modules (which transformers does not build) follow DeepSeek's `MTPBlock`. Th
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import real_pairs, real_tokens, target_mask
+from dstrain.batch import real_pairs, real_tokens, sequence_halo, target_mask
 
 from .dsa import SparseControls
 from .kernels import Linear
@@ -116,13 +119,12 @@ class V4Block(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
         self.recompute_hc = False  # the mHC weights (fp32 norm, projection, Sinkhorn) recomputed in backward
 
-    def forward(self, streams, inputs, ids, real):  # noqa: ANN001, ANN201 - via checkpoint()
-        """streams (B, T, n, D), V4Inputs, the tokens (hash routing), the positions holding one -> (streams,
-        balance loss or None, expert load or None)."""
+    def forward(self, streams, inputs):  # noqa: ANN001, ANN201 - called through checkpoint()
+        """streams (B, T, n, D), V4Inputs -> (streams, balance loss or None, expert load or None)."""
         post, comb, x = self._hc(self.attn_hc, streams)
         streams = expand(post, comb, self.self_attn(self.input_layernorm(x), inputs), streams)
         post, comb, x = self._hc(self.ffn_hc, streams)
-        out, aux, load = self.mlp(self.post_attention_layernorm(x), ids, real)
+        out, aux, load = self.mlp(self.post_attention_layernorm(x), inputs.ids, inputs.real)
         return expand(post, comb, out, streams), aux, load
 
     def _hc(self, hc: HyperConnection, streams: torch.Tensor):  # noqa: ANN202
@@ -156,6 +158,12 @@ class V4MTPLayer(nn.Module):
 class DeepSeekV4LM(SparseControls, nn.Module):
     """The V4 model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(),
     update_expert_bias(), set_activation_checkpointing(), the CSA indexers' stages (SparseControls)."""
+
+    # Sequence parallelism (dstrain.parallel.sp) sets this as on DeepSeekLM: each rank's rows are its slice
+    # plus the halo; attention gathers the whole rows' keys and compressor inputs (V4Inputs.whole).
+    seq_parallel: Any = None
+    # Each sequence-parallel rank's indexer figures are its own queries' (DSA's are the whole rows', alike).
+    indexer_figures_per_slice = True
 
     def __init__(self, cfg: V4Config) -> None:
         super().__init__()
@@ -206,10 +214,40 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         for block in self.blocks():
             block.recompute_hc = mode == "mhc"
 
-    def run_block(self, block: V4Block, streams: torch.Tensor, *args):  # noqa: ANN002, ANN201
+    def run_block(self, block: V4Block, streams: torch.Tensor, inputs: V4Inputs):  # noqa: ANN201
+        """One block (recomputed in backward under 'full' activation checkpointing) -> (streams, its balance
+        loss, its expert load), the last two None for a hash layer."""
         if self.activation_checkpointing == "full" and self.training:
-            return checkpoint(block, streams, *args, use_reentrant=False)
-        return block(streams, *args)
+            return checkpoint(block, streams, inputs, use_reentrant=False)
+        return block(streams, inputs)
+
+    def context(
+        self, position_ids: torch.Tensor | None, input_ids: torch.Tensor, t: int | None = None
+    ) -> V4Inputs:
+        """What every block of a forward of the first `t` tokens reads (a pipeline stage makes it from what
+        travels); under sequence parallelism the documents and positions of the whole rows too."""
+        b, t = input_ids.shape[0], t or input_ids.shape[1]
+        ids, sp = input_ids[:, :t], self.seq_parallel
+        if position_ids is None:
+            pos = torch.arange(t, device=input_ids.device).expand(b, t)
+            return V4Inputs(self.rope, pos, None, ids)
+        pos = position_ids[:, :t]
+        if sp is None:
+            return V4Inputs(self.rope, pos, document_ids(pos), ids, real_tokens(pos))
+        whole = sp.gather(pos)
+        doc = document_ids(whole)
+        return V4Inputs(self.rope, pos, doc, ids, real_tokens(pos), {}, sp, sp.rank * t, whole)
+
+    def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor) -> tuple[V4Inputs]:
+        return (self.context(position_ids, input_ids),)
+
+    @property
+    def halo(self) -> int:
+        return sequence_halo(len(self.mtp))
+
+    def streams_of(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The residual streams at the bottom: n copies of the embedding (B, T, n, D)."""
+        return embedded.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
 
     def forward(
         self,
@@ -220,34 +258,52 @@ class DeepSeekV4LM(SparseControls, nn.Module):
     ) -> ModelOutput:
         """As DeepSeekLM.forward: input_ids (B, T); position_ids restarting at 0 per packed document (-1:
         padding); labels unshifted, -100 not a target."""
-        cfg = self.config
-        b, t = input_ids.shape
-        pos = (
-            position_ids
-            if position_ids is not None
-            else torch.arange(t, device=input_ids.device).expand(b, t)
-        )
-        doc = document_ids(position_ids) if position_ids is not None else None
-        inputs = V4Inputs(self.rope, pos, doc)
-        real = real_tokens(position_ids)
-        streams = self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        t = input_ids.shape[1]
+        if self.seq_parallel is not None:
+            t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
+        inputs = self.context(position_ids, input_ids, t)
+        streams = self.streams_of(self.embed_tokens(input_ids[:, :t]))
         aux, loads = None, []
         for block in self.layers:
-            streams, block_aux, load = self.run_block(block, streams, inputs, input_ids, real)
+            streams, block_aux, load = self.run_block(block, streams, inputs)
             if block_aux is not None:
                 aux = block_aux if aux is None else aux + block_aux
                 loads.append(load)
+
+        def ahead(k: int) -> torch.Tensor:  # MTP depth k's inputs: the tokens k ahead (0 past the row)
+            ids = input_ids[:, k : k + t]
+            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
+
+        main_loads = torch.stack(loads) if loads else None
+        return self.finish(streams, ahead, inputs, position_ids, labels, aux, main_loads, return_logits)
+
+    def finish(
+        self,
+        streams: torch.Tensor,
+        ahead,  # noqa: ANN001 - k -> embeddings of the tokens k ahead (B, T, D)
+        inputs: V4Inputs,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        aux: torch.Tensor | None,
+        loads: torch.Tensor | None,
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """The HC head, norm, head and losses, and the MTP depths, from the last block's streams, the summed
+        balance loss and the (biased main layers, E) loads before (a pipeline's last stage calls this too)."""
+        cfg = self.config
+        t = streams.shape[1]
         hidden = self.norm(self.hc_head(streams))
         out = ModelOutput()
         if return_logits or (return_logits is None and labels is None):
             out.logits = self.lm_head(hidden)
+        loads = [*loads] if loads is not None else []
         if labels is not None:
-            n = t - 1
+            n = _targets(t, labels, 1)
             out.lm_loss_sum, out.lm_tokens = ce_sum(
-                self.lm_head, hidden[:, :n], labels[:, 1:], target_mask(labels, position_ids, 1)
+                self.lm_head, hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
             )
             if len(self.mtp):
-                aux = self._mtp(out, streams, input_ids, inputs, position_ids, labels, aux, loads)
+                aux = self._mtp(out, streams, ahead, inputs, position_ids, labels, aux, loads)
         if inputs.stats:
             out.indexer_stats = torch.stack(list(inputs.stats.values())).sum(0)
         if aux is not None:
@@ -259,26 +315,27 @@ class DeepSeekV4LM(SparseControls, nn.Module):
             out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
         return out
 
-    def _mtp(self, out, streams, input_ids, inputs, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
+    def _mtp(self, out, streams, ahead, inputs, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
         """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
-        b, t = input_ids.shape
+        b, t = streams.shape[:2]
         sums, counts = [], []
         for k, mtp in enumerate(self.mtp, start=1):
-            ahead = F.pad(input_ids[:, k:], (0, k))
-            streams = mtp.inputs(self.embed_tokens(ahead), streams)
-            real = real_pairs(position_ids, b, t, k, input_ids.device)
-            streams, block_aux, load = self.run_block(mtp.block, streams, inputs, ahead, real)
+            streams = mtp.inputs(ahead(k), streams)
+            # a position whose look-ahead token is padding holds no pair: its router counts nothing
+            depth = dataclasses.replace(inputs, real=real_pairs(position_ids, b, t, k, streams.device))
+            streams, block_aux, load = self.run_block(mtp.block, streams, depth)
             if block_aux is not None:
                 aux = block_aux if aux is None else aux + block_aux
                 loads.append(load)
             shift = k + 1
-            if t > shift:
+            n = _targets(t, labels, shift)
+            if n > 0:
                 hits = k == 1 and not self.training  # evaluation: depth 1's draft acceptance too
                 s, *rest, c = ce_sum(
                     self.lm_head,
-                    mtp.norm(mtp.hc_head(streams))[:, : t - shift],
-                    labels[:, shift:],
-                    target_mask(labels, position_ids, shift),
+                    mtp.norm(mtp.hc_head(streams))[:, :n],
+                    labels[:, shift : shift + n],
+                    target_mask(labels, position_ids, shift)[:, :n],
                     hits,
                 )
                 if hits:
@@ -289,3 +346,9 @@ class DeepSeekV4LM(SparseControls, nn.Module):
             counts.append(c)
         out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
         return aux
+
+
+def _targets(t: int, labels: torch.Tensor, shift: int) -> int:
+    """Positions predicting labels[i + shift]: all t when labels run past them (a sequence-parallel slice's
+    halo), else t - shift."""
+    return min(t, labels.shape[1] - shift)

@@ -17,6 +17,7 @@ a multiple of the compress rates computes exactly as alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,8 @@ from .dsa import SparseSettings, inject
 from .kernels import Linear
 from .mhc import unweighted_rms
 from .model import RMSNorm
-from .v4_config import V4Config
+from .v4_config import CSA, SLIDING, V4Config
 
-CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 BLOCK_ROWS = 64  # query rows per block of the attention: its scores are (B, H, rows, window + entries)
 
 
@@ -82,11 +82,26 @@ class V4Inputs:
 
     rope: V4Rope
     position_ids: torch.Tensor
-    """(B, T), restarting at 0 per packed document."""
+    """(B, T) of this forward's tokens, restarting at 0 per packed document."""
     doc: torch.Tensor | None
-    """(B, T) document ids, None: one document per row."""
+    """(B, whole rows) document ids, None: one document per row."""
+    ids: torch.Tensor
+    """(B, T) the tokens: hash layers route by them."""
+    real: torch.Tensor | None = None
+    """(B, T) bool: the positions holding a token (None: all); routers count only these."""
     stats: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per CSA layer, its indexer's fp64 [KL sum, queries, recall sum, queries counted for recall]."""
+    seq_parallel: Any = None
+    """Sequence parallelism (dstrain.parallel.sp): this rank's tokens are a slice of every row."""
+    offset: int = 0
+    """The row index of this forward's first token (its slice's start under sequence parallelism)."""
+    row_positions: torch.Tensor | None = None
+    """(B, whole rows) position ids (None: `position_ids` are the whole rows')."""
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) of this forward's tokens -> the whole rows' (the sequence-parallel group's slices, with
+        the gradient of every rank's use summed back into each slice)."""
+        return x if self.seq_parallel is None else self.seq_parallel.gather_rows_summed(x)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -134,17 +149,16 @@ class Compressor(nn.Module):
         return self.kv_norm(pooled)
 
 
-def visible_entries(comp: Compressor, nw: int, doc: torch.Tensor | None, t: int) -> torch.Tensor:
-    """(B or 1, T, nw) bool: entry w is visible to query t when its last token is at most t and its own
-    window starts in t's document (an overlapping entry's previous window is then closed at the document's
-    start: Compressor.entries)."""
-    w = torch.arange(nw, device=doc.device if doc is not None else None)
-    rows = torch.arange(t, device=w.device)
+def visible_entries(comp: Compressor, nw: int, doc: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """(B or 1, len(rows), nw) bool: entry w is visible to the query at row index t when its last token is at
+    most t and its own window starts in t's document (`doc`: the whole rows'; an overlapping entry's previous
+    window is then closed at the document's start: Compressor.entries)."""
+    w = torch.arange(nw, device=rows.device)
     seen = ((w + 1) * comp.rate - 1)[None, :] <= rows[:, None]  # (T, nw)
     if doc is None:
         return seen.unsqueeze(0)
     first = doc[:, w * comp.rate]  # (B, nw)
-    return seen.unsqueeze(0) & (first[:, None, :] == doc[:, :, None])
+    return seen.unsqueeze(0) & (first[:, None, :] == doc[:, rows, None])
 
 
 class Scorer(nn.Module):
@@ -196,33 +210,36 @@ def attend(
     sinks: torch.Tensor,
     window: int,
     doc: torch.Tensor | None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q (B, T, H, d), kv (B, T, d) the shared key=value head, entries (B, n, d) compressed ones with
-    entry_mask (B or 1, T, n) which each query sees -> (B, T, H, d), and (B, T, n) fp32 the attention
-    probabilities of the entries summed over the heads, detached (None without entries). Query t sees raw keys
-    (t - window, t] of its document; the softmax's denominator also holds exp(sink_h). Rows run in blocks so
-    that the scores held are (rows x (window + entries)), never (T x T)."""
+    """q (B, T, H, d) the queries of rows offset.., kv (B, whole rows, d) the shared key=value head, entries
+    (B, n, d) compressed ones with entry_mask (B or 1, T, n) which each query sees -> (B, T, H, d), and
+    (B, T, n) fp32 the attention probabilities of the entries summed over the heads, detached (None without
+    entries). The query at row index t sees raw keys (t - window, t] of its document (`doc`: the whole rows');
+    the softmax's denominator also holds exp(sink_h). Rows run in blocks so that the scores held are
+    (rows x (window + entries)), never (T x T)."""
     b, t, h, d = q.shape
     scale = d**-0.5
     out, entry_probs = [], []
-    pos = torch.arange(t, device=q.device)
+    pos = torch.arange(kv.shape[1], device=q.device)
     sink = sinks.float().view(1, h, 1, 1)
     for s in range(0, t, BLOCK_ROWS):
         e = min(s + BLOCK_ROWS, t)
-        lo = max(0, s - window + 1)
-        keys = kv[:, lo:e]
+        gs, ge = offset + s, offset + e  # the block's row indices
+        lo = max(0, gs - window + 1)
+        keys = kv[:, lo:ge]
         scores = torch.einsum("brhd,bkd->bhrk", q[:, s:e].float(), keys.float()) * scale
-        rel = pos[s:e, None] - pos[None, lo:e]
+        rel = pos[gs:ge, None] - pos[None, lo:ge]
         allowed = ((rel >= 0) & (rel < window)).unsqueeze(0)
         if doc is not None:
-            allowed = allowed & (doc[:, s:e, None] == doc[:, None, lo:e])
+            allowed = allowed & (doc[:, gs:ge, None] == doc[:, None, lo:ge])
         parts = [scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))]
         if entries is not None and entries.shape[1]:
             comp = torch.einsum("brhd,bkd->bhrk", q[:, s:e].float(), entries.float()) * scale
             parts.append(comp.masked_fill(~entry_mask[:, s:e].unsqueeze(1), float("-inf")))
         parts.append(sink.expand(b, h, e - s, 1))
         probs = torch.cat(parts, dim=-1).softmax(dim=-1)
-        n_raw = e - lo
+        n_raw = ge - lo
         o = torch.einsum("bhrk,bkd->brhd", probs[..., :n_raw], keys.float())
         if len(parts) == 3:
             o = o + torch.einsum("bhrk,bkd->brhd", probs[..., n_raw:-1], entries.float())
@@ -288,41 +305,48 @@ class V4Attention(nn.Module):
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms(self.q_b_proj(q_res).view(b, t, self.heads, self.head_dim), self.eps)
         q = rotate(q, cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = inputs.whole(rotate(self.kv_norm(self.kv_proj(x)), cos, sin))
         entries = mask = None
         if self.compressor is not None:
-            entries, visible = self._entries(x, inputs)
+            whole_x = inputs.whole(x)  # the compressors pool the whole rows
+            entries, visible = self._entries(whole_x, inputs, t)
             mask = visible
         if self.sparse is not None and entries.shape[1]:
-            scores, chosen = self._index(x, q_res, inputs, visible)
+            scores, chosen = self._index(x, whole_x, q_res, inputs, visible)
             mask = visible if self.sparse.dense else chosen
-        o, probs = attend(q, kv, entries, mask, self.sinks, self.window, inputs.doc)
+        o, probs = attend(q, kv, entries, mask, self.sinks, self.window, inputs.doc, inputs.offset)
         if self.sparse is not None and entries.shape[1] and (self.sparse.loss or not self.training):
             o = self._indexer_loss(o, scores, probs, mask, None if mask is chosen else chosen, inputs)
         o = rotate(o, cos.unsqueeze(2), -sin.unsqueeze(2))  # the value's rotation undone at the query
         grouped = o.reshape(b, t, self.groups, -1)
-        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
+        w = getattr(self.o_a_proj, "effective_weight", lambda: self.o_a_proj.weight)()  # with LoRA: W + BA
+        w = w.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("btgi,gri->btgr", grouped, w).flatten(2))
 
-    def _entries(self, x: torch.Tensor, inputs: V4Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> the compressed entries, rotated (B, n, d), and which each query sees (B, T, n)."""
+    def _entries(self, whole_x: torch.Tensor, inputs: V4Inputs, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the compressed entries of the whole rows, rotated (B, n, d), and which each of this forward's
+        `t` queries sees (B, t, n)."""
         comp = self.compressor
-        raw = comp.entries(x, inputs.doc)
+        raw = comp.entries(whole_x, inputs.doc)
         nw = raw.shape[1]
         cos, sin = self._entry_rope(inputs, nw)
-        visible = visible_entries(comp, nw, inputs.doc, x.shape[1]).expand(x.shape[0], -1, -1)
+        rows = torch.arange(inputs.offset, inputs.offset + t, device=whole_x.device)
+        visible = visible_entries(comp, nw, inputs.doc, rows).expand(whole_x.shape[0], -1, -1)
         return rotate(raw, cos, sin), visible
 
     def _entry_rope(self, inputs: V4Inputs, nw: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.arange(nw, device=inputs.position_ids.device) * self.compressor.rate
-        return inputs.rope.cos_sin(inputs.position_ids[:, starts], "compress")
+        rows = inputs.row_positions if inputs.row_positions is not None else inputs.position_ids
+        starts = torch.arange(nw, device=rows.device) * self.compressor.rate
+        return inputs.rope.cos_sin(rows[:, starts], "compress")
 
-    def _index(self, x, q_res, inputs, visible):  # noqa: ANN001, ANN202
-        """-> the index scores (B, T, n) fp32, with autograd to the indexer only (its inputs detached: the
-        main model learns from the LM loss alone), and each query's chosen entries."""
+    def _index(self, x, whole_x, q_res, inputs, visible):  # noqa: ANN001, ANN202
+        """-> the index scores (B, T, n) fp32 of this forward's queries, with autograd to the indexer only
+        (its inputs detached: the main model learns from the LM loss alone), and each query's chosen entries."""
         indexer = self.compressor.indexer
         x, q_res = x.detach(), q_res.detach()
-        keys = rotate(indexer.entries(x, inputs.doc), *self._entry_rope(inputs, visible.shape[-1]))
+        keys = rotate(
+            indexer.entries(whole_x.detach(), inputs.doc), *self._entry_rope(inputs, visible.shape[-1])
+        )
         scores = indexer.scores(x, q_res, keys, inputs.rope.cos_sin(inputs.position_ids, "compress"))
         return scores, indexer.select(scores.detach(), visible)
 

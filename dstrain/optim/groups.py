@@ -23,14 +23,20 @@ from dstrain.model.lora import is_lora_key
 
 from . import ADAMW_STATE, MUON_STATE
 
-ADAMW_ONLY = ("embed_tokens.weight", "lm_head.weight")  # the vocabulary-sized matrices (Moonlight's rule)
+# The vocabulary-sized matrices (Moonlight's rule), and DeepSeek-V4's compressor position biases (a table of
+# biases added to the gate logits, not a projection)
+ADAMW_ONLY = ("embed_tokens.weight", "lm_head.weight", "position_bias")
 # Projections whose rows are per-head blocks: name suffix -> the config field that counts the heads
 PER_HEAD = {
     "self_attn.q_proj.weight": "num_attention_heads",
     "self_attn.q_b_proj.weight": "num_attention_heads",
     "self_attn.kv_b_proj.weight": "num_attention_heads",
     "indexer.wq_b.weight": "index_n_heads",
+    "indexer.q_b_proj.weight": "index_n_heads",  # DeepSeek-V4's CSA indexer
 }
+# Block-diagonal projections, one independent matrix per group of rows whatever --muon_per_head says:
+# name suffix -> the config field that counts the groups (DeepSeek-V4's grouped output projection)
+BLOCK_DIAGONAL = {"self_attn.o_a_proj.weight": "o_groups"}
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,11 @@ def shape_of(p: torch.Tensor) -> tuple[int, ...]:
 def split_of(name: str, shape: tuple[int, ...], cfg: Any, per_head: bool) -> str:
     if len(shape) == 3:  # fused routed experts (and their adapters): one matrix per expert
         return "experts_gate_up" if name.endswith("experts.gate_up_proj") else "experts"
+    for suffix, field in BLOCK_DIAGONAL.items():
+        if name.endswith(suffix):
+            return f"heads:{getattr(cfg, field)}"
     for suffix, field in PER_HEAD.items():
-        if per_head and name.endswith(suffix):
+        if per_head and name.endswith(suffix) and hasattr(cfg, field):
             return f"heads:{getattr(cfg, field)}"
     return "matrix"
 

@@ -84,10 +84,10 @@ class ParallelDims:
 
     def validate(self, cfg: ModelConfig | V4Config, zero_stage: int, *, offload: bool = False) -> None:
         """One-line ValueErrors for layouts this model or ZeRO stage cannot take."""
-        if isinstance(cfg, V4Config) and (self.pp > 1 or self.tp > 1 or self.sp > 1):
+        if isinstance(cfg, V4Config) and self.tp > 1:
             raise ValueError(
-                f"{self.describe()}: DeepSeek-V4 trains with data parallelism (ZeRO 0-3) and --ep so far; "
-                "--pp, --tp and --sp are not built for its streams and compressed attention yet"
+                f"--tp {self.tp}: DeepSeek-V4 trains with data, expert, pipeline and sequence parallelism; "
+                "tensor parallelism is not built for its attention and mHC yet"
             )
         if self.tp > 1:
             if cfg.num_attention_heads % self.tp:
@@ -123,7 +123,7 @@ class ParallelDims:
             if self.pp > 1 or self.tp > 1:
                 raise ValueError(f"--sp {self.sp} with --pp/--tp: sequence parallelism combines with data "
                                  "and expert parallelism only")  # fmt: skip
-            if cfg.num_attention_heads % self.sp:
+            if not isinstance(cfg, V4Config) and cfg.num_attention_heads % self.sp:  # V4 splits no heads
                 raise ValueError(f"--sp {self.sp} must divide num_attention_heads {cfg.num_attention_heads}")
         if self.tp > 1 and zero_stage == 3:
             raise ValueError(f"--tp {self.tp} with ZeRO-3: tensor parallelism supports ZeRO stage 1-2")

@@ -10,7 +10,8 @@ shared sparse-attention layers reuse an earlier layer's key selection, the lates
 layer may start a stage). Labels travel as
 (labels, global target counts of the step). The Tail holds the final norm, head and MTP modules; DeepSpeed
 calls its `loss`, which runs the model's own `finish` (so losses and loads are the single-device model's, MTP
-and aux included) and the objective the pipeline was built with. The pipeline module hands the trainer each
+and aux included) and the objective the pipeline was built with. DeepSeek-V4 travels the same way: its streams (B, T, n, D) as
+the hidden states, its token ids for the hash layers, its HC head with the Tail. The pipeline module hands the trainer each
 step's detached outputs (`take_outputs`) and each stage's sparse-attention indexer figures
 (`take_indexer_stats`).
 """
@@ -25,24 +26,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.loading import materialize
-from dstrain.model.model import DeepSeekLM, ModelOutput, MoE
+from dstrain.model.model import DeepSeekLM, ModelOutput
 
 Objective = Callable[[ModelOutput, torch.Tensor], torch.Tensor]  # (output, global target counts) -> loss
 
 
 class _Context:
-    """rope and attention layout of the current micro batch, made once per stage (every layer of a stage
-    receives the same position-id tensor)."""
+    """What the blocks of the current micro batch read besides the hidden states (the model's
+    `pipeline_context`: rope and attention layout; DeepSeek-V4's inputs), made once per stage (every layer of a
+    stage receives the same position-id tensor)."""
 
     def __init__(self, lm: DeepSeekLM) -> None:
         self.lm = lm
         self.key: torch.Tensor | None = None
-        self.value: Any = None
+        self.value: tuple = ()
 
-    def __call__(self, pos: torch.Tensor) -> Any:
+    def __call__(self, pos: torch.Tensor, ids: torch.Tensor | None) -> tuple:
         if self.key is not pos:
             self.key = pos
-            self.value = self.lm.rope_and_layout(pos, pos.shape[0], pos.shape[1], pos.device)
+            self.value = self.lm.pipeline_context(pos, ids)
         return self.value
 
 
@@ -52,14 +54,16 @@ def _main_moe_rows(lm: DeepSeekLM) -> list[int]:
 
 
 class _Activations:
-    """The stage-to-stage tuple: (h, pos, aux[, load][, ext][, sel]); which optional parts exist is fixed by
-    the model (MoE layers in the main model; MTP depth; shared sparse-attention layers). Also the stage's
-    running sum of its indexers' figures (not sent: each stage reports its own)."""
+    """The stage-to-stage tuple: (h, pos, aux[, load][, ext][, sel][, ids]); which optional parts exist is fixed
+    by the model (MoE layers in the main model; MTP depth; shared sparse-attention layers; DeepSeek-V4's hash
+    layers, which route by the token ids). Also the stage's running sum of its indexers' figures (not sent:
+    each stage reports its own)."""
 
     def __init__(self, lm: DeepSeekLM) -> None:
         self.has_load = bool(_main_moe_rows(lm))
         self.has_ext = len(lm.mtp) > 0
-        self.has_sel = "shared" in (lm.config.indexer_types or ())
+        self.has_sel = "shared" in (getattr(lm.config, "indexer_types", None) or ())
+        self.has_ids = any(getattr(b.mlp, "hashed", False) for b in lm.layers)
         self.indexer_stats: torch.Tensor | None = None
 
     def unpack(self, t: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
@@ -67,10 +71,11 @@ class _Activations:
         load = rest.pop(0) if self.has_load else None
         ext = rest.pop(0) if self.has_ext else None
         sel = rest.pop(0) if self.has_sel else None
-        return h, pos, aux, load, ext, sel
+        ids = rest.pop(0) if self.has_ids else None
+        return h, pos, aux, load, ext, sel, ids
 
-    def pack(self, h, pos, aux, load, ext, sel=None) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        optional = ((load, self.has_load), (ext, self.has_ext), (sel, self.has_sel))
+    def pack(self, h, pos, aux, load, ext, sel=None, ids=None) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        optional = ((load, self.has_load), (ext, self.has_ext), (sel, self.has_sel), (ids, self.has_ids))
         return (h, pos, aux) + tuple(t for t, has in optional if has)
 
     def count(self, stats: torch.Tensor | None) -> None:
@@ -87,6 +92,7 @@ class Embed(nn.Module):
         self.load_shape = (len(_main_moe_rows(lm)), lm.config.n_routed_experts or 0)
         self.topk = lm.config.index_topk or 0
         self.acts = acts
+        object.__setattr__(self, "_lm", lm)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         input_ids, pos = inputs
@@ -97,11 +103,11 @@ class Embed(nn.Module):
         ext = None
         if self.depth:
             ext = _grad_carrying(self.embed_tokens(F.pad(input_ids, (0, self.depth))))
-            h = ext[:, :t].contiguous()
+            h = self._lm.streams_of(ext[:, :t].contiguous())
         else:
-            h = _grad_carrying(self.embed_tokens(input_ids))
+            h = _grad_carrying(self._lm.streams_of(self.embed_tokens(input_ids)))
         sel = torch.zeros(*input_ids.shape, min(self.topk, t), dtype=torch.int64, device=input_ids.device)
-        return self.acts.pack(h, pos, aux, load, ext, sel)
+        return self.acts.pack(h, pos, aux, load, ext, sel, input_ids)
 
 
 def _grad_carrying(t: torch.Tensor) -> torch.Tensor:
@@ -116,18 +122,19 @@ class BlockLayer(nn.Module):
         self.block = lm.layers[index]
         self.index = index
         rows = _main_moe_rows(lm)
-        self.row = rows.index(index) if isinstance(self.block.mlp, MoE) else None
+        self.row = rows.index(index) if index in rows else None
         self.acts = acts
         object.__setattr__(self, "_lm", lm)  # not a submodule: only this block's weights live here
         object.__setattr__(self, "_ctx", ctx)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        h, pos, aux, load, ext, sel = self.acts.unpack(inputs)
-        rope, layout = self._ctx(pos)
+        h, pos, aux, load, ext, sel, ids = self.acts.unpack(inputs)
+        ctx = self._ctx(pos, ids)
+        layout = ctx[-1]  # (rope, layout), or DeepSeek-V4's inputs: where the indexers' figures go
         sparse = self.block.self_attn.sparse
         if sel is not None and sparse.source != self.index:  # a shared layer: the latest full one's keys
             layout.selections.setdefault(sparse.source, sel)
-        h, block_aux, block_load = self._lm.run_block(self.block, h, rope, layout)
+        h, block_aux, block_load = self._lm.run_block(self.block, h, *ctx)
         if block_aux is not None:
             aux = aux + block_aux.to(aux.dtype)
             row = torch.tensor([self.row], device=load.device)
@@ -136,13 +143,14 @@ class BlockLayer(nn.Module):
             self.acts.count(layout.stats.get(self.index))
             if sel is not None and sparse.source == self.index:
                 sel = layout.selections[self.index]
-        return self.acts.pack(_grad_carrying(h), pos, aux, load, ext, sel)
+        return self.acts.pack(_grad_carrying(h), pos, aux, load, ext, sel, ids)
 
 
 class Tail(nn.Module):
     def __init__(self, lm: DeepSeekLM, ctx: _Context, acts: _Activations, objective: Objective) -> None:
         super().__init__()
         self.norm, self.lm_head, self.mtp = lm.norm, lm.lm_head, lm.mtp
+        self.hc_head = getattr(lm, "hc_head", None)  # DeepSeek-V4's collapse of the streams
         self.acts = acts
         self.objective = objective
         self.outputs: list[ModelOutput] = []  # detached outputs of the micro batches since `take_outputs`
@@ -155,17 +163,18 @@ class Tail(nn.Module):
     def loss(
         self, outputs: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        h, pos, aux, load, ext, _ = self.acts.unpack(outputs)
+        h, pos, aux, load, ext, _, ids = self.acts.unpack(outputs)
         labels, n_global = labels
         t = h.shape[1]
-        rope, layout = self._ctx(pos)
+        ctx = self._ctx(pos, ids)
+        layout = ctx[-1]
         self._lm.train(self.training)
 
         def ahead(k: int) -> torch.Tensor:
             return ext[:, k : k + t]
 
         loads = load.to(torch.float32) if load is not None else None
-        out = self._lm.finish(h, ahead, rope, layout, pos, labels, aux, loads, return_logits=False)
+        out = self._lm.finish(h, ahead, *ctx, pos, labels, aux, loads, return_logits=False)
         loss = self.objective(out, n_global) + 0.0 * aux  # aux always gets a gradient, even with alpha = 0
         main = len(self._lm.layers)
         for layer, stats in layout.stats.items():

@@ -24,6 +24,7 @@ from torch import nn
 
 from dstrain.model.attention import AttentionLayout, attend
 from dstrain.model.model import MLA, DeepSeekLM, MoE
+from dstrain.model.v4 import DeepSeekV4LM, V4MoE
 
 from .comm import all_to_all
 from .dims import Groups
@@ -63,6 +64,11 @@ class SequenceParallel:
         sparse-attention indexer): the gradient of its own slice is this rank's part, not a sum."""
         return _GatherRows.apply(x, self)
 
+    def gather_rows_summed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, c, ...) slices -> (B, sp * c, ...) whole rows, for work each rank does for its own tokens over
+        the whole rows (DeepSeek-V4's keys and compressors): the gradient of each slice sums every rank's."""
+        return _GatherRowsSummed.apply(x, self)
+
     @torch.no_grad()
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The group's (B, c) slices side by side: (B, sp * c), in sequence order."""
@@ -90,11 +96,27 @@ class _GatherRows(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None
 
 
+class _GatherRowsSummed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:  # noqa: ANN001
+        ctx.sp = sp
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        tdist.all_gather(parts, x.contiguous(), group=sp.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad = grad.contiguous()
+        tdist.all_reduce(grad, group=ctx.sp.group)
+        return grad.chunk(ctx.sp.size, dim=1)[ctx.sp.rank].contiguous(), None
+
+
 def apply_sequence_parallel(model: nn.Module, g: Groups) -> None:
-    """Hook every MLA and MoE layer (and the model) to the group; a no-op for sp 1."""
+    """Hook every MLA and MoE layer (and the model; DeepSeek-V4's model and MoE layers) to the group; a no-op
+    for sp 1."""
     if g.dims.sp == 1:
         return
     hook = SequenceParallel(g.sp, g.dims.sp, g.dp_rank % g.dims.sp)
     for m in model.modules():
-        if isinstance(m, (MLA, MoE, DeepSeekLM)):
+        if isinstance(m, (MLA, MoE, DeepSeekLM, V4MoE, DeepSeekV4LM)):
             m.seq_parallel = hook

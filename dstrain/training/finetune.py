@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dstrain.config.options import LoRAOptions
 from dstrain.errors import ConfigError
-from dstrain.model import DeepSeekLM, V4Config
+from dstrain.model import DeepSeekLM
 from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
 from dstrain.model.model import Router
 
@@ -23,8 +23,6 @@ def apply_finetune_options(
             f"--lora_targets {lora.lora_targets} adapts the routers (gate) and --train_router trains them in "
             "full: choose one"
         )
-    if lora.lora_r > 0 and isinstance(model.config, V4Config):
-        raise ConfigError(f"--lora_r {lora.lora_r}: LoRA on DeepSeek-V4 is not built yet (train it in full)")
     if lora.lora_r > 0:
         try:
             names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets, seed=seed)

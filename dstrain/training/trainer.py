@@ -23,6 +23,7 @@ from dstrain.config.plan import RunPlan
 from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses
+from dstrain.model.init import model_class
 
 from . import objective, optimizer, watchdog
 from .build import build_for_training
@@ -292,9 +293,11 @@ class Trainer:
 
     def _stat_weights(self) -> tuple[float, float]:
         """(weight of this rank's loss figures, of its indexer figures): tensor-parallel peers hold copies of
-        both, sequence-parallel peers copies of the indexers' (computed for whole rows)."""
+        both, sequence-parallel peers copies of the indexers' where those are computed for whole rows (DSA's;
+        DeepSeek-V4's are each rank's own queries')."""
         first = 1.0 if self.tp_rank == 0 else 0.0
-        return first, first if self.sp_rank == 0 else 0.0
+        per_slice = model_class(self.cfg).indexer_figures_per_slice
+        return first, first if self.sp_rank == 0 or per_slice else 0.0
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (every rank of a pipeline / tensor-parallel group reads the same

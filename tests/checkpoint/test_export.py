@@ -91,13 +91,13 @@ def test_lora_merged_export(trained, tmp_path):
 
 
 def test_verify_fails_on_a_corrupted_tensor(trained, tmp_path, monkeypatch, capsys):
-    real = ex.to_hf
+    real = ex.hf_tensors
 
     def corrupting(*args, **kw):
         for key, t in real(*args, **kw):
             yield key, (t + 0.05 if key == "model.layers.1.self_attn.o_proj.weight" else t)
 
-    monkeypatch.setattr(ex, "to_hf", corrupting)
+    monkeypatch.setattr(ex, "hf_tensors", corrupting)
     assert dstrain_main(["export", str(trained["full"]), "--out", str(tmp_path / "out"), "--verify"]) == 1
     assert "FAILED" in capsys.readouterr().out
 

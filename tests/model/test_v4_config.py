@@ -342,6 +342,22 @@ def test_parameter_counts_match_the_published_figures():
     assert param_counts("deepseek-v4-flash") == param_counts(V4Config.from_hf_dict(FLASH))
 
 
-def test_flops_are_not_modelled_yet():
-    with pytest.raises(ValueError, match="not modelled for deepseek_v4 yet"):
-        flops_per_token("tiny-v4", 64)
+@pytest.mark.parametrize("seq_len", [64, 1000])
+@pytest.mark.parametrize("sparse", [True, False])
+def test_flops_count_each_querys_keys(seq_len, sparse):
+    """6 x active parameters plus, per layer, 6 x 2 head_dim x heads for every key a query sees (its window,
+    the compressed entries visible to it: all in HCA, the indexer's top-k in CSA unless the dense stage), and
+    each CSA indexer's scores over every visible entry: counted here query by query."""
+    cfg = get_config("tiny-v4")
+    keys = index = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        rate = cfg.compress_rate(layer)
+        for t in range(seq_len):
+            entries = (t + 1) / rate if rate else 0.0
+            if cfg.attention_type(layer) == "compressed_sparse_attention":
+                index += 6 * entries * cfg.index_n_heads * (cfg.index_head_dim + 1)
+                entries = min(entries, cfg.index_topk) if sparse else entries
+            keys += min(t + 1, cfg.sliding_window) + entries
+    attn = 6 * keys * cfg.num_attention_heads * 2 * cfg.head_dim
+    want = 6 * param_counts(cfg, include_mtp=False)["active"] + (attn + index) / seq_len
+    assert flops_per_token(cfg, seq_len, sparse=sparse) == pytest.approx(want, rel=1e-9)

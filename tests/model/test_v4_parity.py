@@ -153,7 +153,7 @@ def test_mtp_trains_as_deepseeks_mtp_block() -> None:
     with torch.no_grad():
         ahead = F.pad(ids[:, 1:], (0, 1))
         x = mtp.e_proj(mtp.enorm(model.embed_tokens(ahead))).unsqueeze(2) + mtp.h_proj(mtp.hnorm(streams[0]))
-        x, _, _ = mtp.block(x, V4Inputs(model.rope, torch.arange(t).expand(2, t), None), ahead, None)
+        x, _, _ = mtp.block(x, V4Inputs(model.rope, torch.arange(t).expand(2, t), None, ahead))
         logits = model.lm_head(mtp.norm(mtp.hc_head(x)))[:, : t - 2].float()
         want = F.cross_entropy(logits.flatten(0, 1), ids[:, 2:].flatten(), reduction="sum")
     assert out.mtp_tokens.tolist() == [2 * (t - 2)]
@@ -264,3 +264,64 @@ def test_indexer_learns_by_the_kl_rule_and_nothing_else() -> None:
         stats = out.indexer_stats
         assert stats[1] == rows.sum() and abs(stats[0] - kl.item()) < 1e-9 * max(1.0, kl.item())
         assert (stats[2] > 0) == (stage == "dense")
+
+
+def test_lora_on_every_v4_target_merges_to_the_same_model() -> None:
+    """LoRA on V4's projections (the block-diagonal o_a_proj through its whole weight), the shared and routed
+    experts (clamped), the routers (the hash layer's keeps its table) and MTP's projections: with random
+    adapters the model equals the merged one, and merging restores V4's own router kinds."""
+    from dstrain.model import build_model
+    from dstrain.model.lora import apply_lora, lora_modules, merge_lora
+    from dstrain.model.v4 import V4Router
+    from tests.helpers.tiny import tiny_v4_config
+    from tests.model.test_lora import randomize_adapters
+
+    model = build_model(tiny_v4_config(), seed=3).eval()
+    ids = tokens(2, 37, 11)
+    with torch.no_grad():
+        base = model(ids).logits
+    targets = ["q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts", "experts", "gate"]
+    names = apply_lora(model, 4, 8.0, [*targets, "e_proj", "h_proj"])
+    assert "layers.0.self_attn.o_a_proj" in names and "layers.0.mlp.gate" in names
+    assert torch.equal(
+        model.layers[0].mlp.gate.tid2eid, build_model(tiny_v4_config(), seed=3).layers[0].mlp.gate.tid2eid
+    )
+    randomize_adapters(model)
+    only_o_a = dict(model.named_parameters())["layers.0.self_attn.o_a_proj.lora_B"]
+    with torch.no_grad():
+        adapted = model(ids).logits
+        merge_lora(model)
+        merged = model(ids).logits
+    assert not lora_modules(model) and all(type(r) is V4Router for r in model.routers())
+    assert model.layers[0].mlp.gate.tid2eid is not None
+    assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max()
+    assert (adapted - base).abs().max() > 1e-2 and only_o_a.abs().sum() > 0
+
+
+def test_recomputing_mhc_keeps_the_gradients_and_less_memory() -> None:
+    """--activation_checkpointing mhc recomputes each hyper-connection's weights in backward: every gradient
+    bit for bit as without (and as 'full'), fewer bytes kept for backward."""
+    from dstrain.model import build_model
+    from tests.helpers.tiny import tiny_v4_config
+
+    model = build_model(tiny_v4_config(), seed=4).train()
+    ids = tokens(2, 64, 12)
+    kept, grads = {}, {}
+    for mode in ("none", "mhc", "full"):
+        model.set_activation_checkpointing(mode)
+        model.zero_grad(set_to_none=True)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen=seen) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        kept[mode] = sum(seen.values())
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for mode in ("mhc", "full"):
+        assert grads[mode].keys() == grads["none"].keys()
+        assert all(torch.equal(grads[mode][n], g) for n, g in grads["none"].items()), mode
+    assert kept["full"] < kept["mhc"] < kept["none"]

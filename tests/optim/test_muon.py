@@ -145,6 +145,29 @@ def test_which_optimizer_steps_each_parameter():
     assert {a.optimizer for a in classify(lora, tiny_config(), off)} == {"adamw"}
 
 
+def test_deepseek_v4_parameters():
+    """DeepSeek-V4: the grouped output projection by its o_groups blocks (block-diagonal), the indexer's
+    queries by index head under per_head, the compressors' position biases and the mHC vectors on AdamW, the
+    mHC projections on Muon; the hash table is a buffer, in no group."""
+    from dstrain.model import build_model
+    from tests.helpers.tiny import tiny_v4_config
+
+    cfg = tiny_v4_config()
+    model = build_model(cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    per_head = MuonSettings(**{**SETTINGS.__dict__, "per_head": True})
+    got = {a.name: (a.optimizer, a.split) for a in classify(named, cfg, per_head)}
+    assert got["layers.0.self_attn.o_a_proj.weight"] == ("muon", f"heads:{cfg.o_groups}")
+    assert got["layers.0.self_attn.compressor.indexer.q_b_proj.weight"] == ("muon", "heads:8")
+    assert got["layers.0.self_attn.compressor.position_bias"] == ("adamw", None)
+    assert got["layers.0.attn_hc.fn"] == ("muon", "matrix") and got["layers.0.attn_hc.base"] == (
+        "adamw",
+        None,
+    )
+    assert got["hc_head.hc_scale"] == ("adamw", None)
+    assert not any("tid2eid" in name for name in got)
+
+
 def _plan(flags: str, tmp_path=None, config: dict | None = None, world: int = 2):  # noqa: ANN001, ANN202
     extra = []
     if config is not None:

@@ -81,6 +81,8 @@ LAYOUTS = {  # name -> flags
     "v4_z1": f"--config zero1 {DSA}",
     "v4_z3": f"--config zero3 {DSA}",
     "v4_ep2": f"--config zero2 --ep 2 {DSA}",
+    "v4_pp2": f"--config zero1 --pp 2 {DSA}",
+    "v4_sp2": f"--config zero2 --sp 2 {DSA}",
     "v4_dp1": f"--config zero1 {DSA}",
     # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
     # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
@@ -102,7 +104,7 @@ RESHARD = {
 # Sparse attention: ranks -> (target, source) as RESHARD
 RESHARD_DSA = {
     1: [("dsa_dp1", "dsa_tp2"), ("v4_dp1", "v4_ep2")],
-    2: [("dsa_ep2", "dsa_pp2"), ("v4_z3", "v4_ep2")],
+    2: [("dsa_ep2", "dsa_pp2"), ("v4_z3", "v4_pp2")],
 }
 # Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
 # from the start, and 1 rank continuing the 2-rank run's step-3 checkpoint.

@@ -60,13 +60,22 @@ def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys):
     assert not torch.equal(trained[bias], src[bias])  # the biased layers balance
 
 
-@pytest.mark.parametrize("layout", ["pp", "tp", "sp"])
-def test_unbuilt_layouts_are_one_line_errors(layout):
-    with pytest.raises(ValueError, match="DeepSeek-V4 trains with data parallelism"):
-        ParallelDims(world=2, **{layout: 2}).validate(tiny_v4_config(), 1)
+def test_tensor_parallel_is_a_one_line_error():
+    with pytest.raises(
+        ValueError, match="--tp 2: DeepSeek-V4 trains with data, expert, pipeline and sequence"
+    ):
+        ParallelDims(world=2, tp=2).validate(tiny_v4_config(), 1)
 
 
-def test_lora_is_refused_in_one_line(tmp_path, capsys):
-    args = ["train", "--model", "tiny-v4", "--lora_r", "4", "--max_steps", "1", "--output_dir", str(tmp_path)]
-    assert dstrain_main(args) == 2
-    assert "LoRA on DeepSeek-V4 is not built yet" in capsys.readouterr().err
+def test_lora_fine_tune_exports_merged(v4_folder, tmp_path, capsys):
+    """LoRA on V4's projections, experts and routers: the adapters train, the merged export loads in
+    transformers with the model's logits; an adapter-only export is refused in one line."""
+    targets = "q_a_proj,q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts,gate"
+    run = tmp_path / "lora"
+    train(["--model", str(v4_folder), "--max_steps", "2", "--lora_r", "4", "--lora_targets", targets]
+          + ["--output_dir", str(run)])  # fmt: skip
+    capsys.readouterr()
+    assert dstrain_main(["export", str(run), "--out", str(tmp_path / "merged"), "--verify"]) == 0
+    assert ": ok" in capsys.readouterr().out
+    assert dstrain_main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter_only"]) == 2
+    assert "DeepSeek-V4 adapters export merged only" in capsys.readouterr().err
