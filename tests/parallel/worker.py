@@ -78,12 +78,10 @@ LAYOUTS = {  # name -> flags
     "muon_ep2_lora": f"--config zero2 --ep 2 {MUON} {LORA}",
     "muon_dp1": f"--config zero1 {MUON}",
     # DeepSeek-V4 (test_layouts.py::test_v4_layouts_match_one_process): the CSA indexer in its sparse stage
-    "v4_z1": f"--config zero1 {DSA}",
     "v4_z3": f"--config zero3 {DSA}",
     "v4_ep2": f"--config zero2 --ep 2 {DSA}",
     "v4_pp2": f"--config zero1 --pp 2 {DSA}",
     "v4_sp2": f"--config zero2 --sp 2 {DSA}",
-    "v4_dp1": f"--config zero1 {DSA}",
     # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
     # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
     "dp2_bf16": "--config {out}/zero1_overlap.json --precision bf16",
@@ -103,7 +101,7 @@ RESHARD = {
 }
 # Sparse attention: ranks -> (target, source) as RESHARD
 RESHARD_DSA = {
-    1: [("dsa_dp1", "dsa_tp2"), ("v4_dp1", "v4_ep2")],
+    1: [("dsa_dp1", "dsa_tp2")],
     2: [("dsa_ep2", "dsa_pp2"), ("v4_z3", "v4_pp2")],
 }
 # Real data (the data package's loader, not GlobalRows): ranks -> runs; 1 rank with GA 4 and 2 ranks with GA 2
