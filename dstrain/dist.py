@@ -78,6 +78,9 @@ def group_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+OWN_PORT = "DSTRAIN_OWN_MASTER_PORT"  # set when dstrain chose MASTER_PORT itself (a one-rank run)
+
+
 def free_port() -> int:
     """A port nobody listens on now."""
     with socket.socket() as s:
@@ -99,6 +102,7 @@ def _fill_env() -> None:
         if int(env["WORLD_SIZE"]) > 1:
             raise UserError("MASTER_PORT is not set: launch with deepspeed, torchrun or srun (see launch/)")
         env["MASTER_PORT"] = str(free_port())
+        env[OWN_PORT] = env["MASTER_PORT"]
 
 
 def driver_version() -> str | None:
@@ -228,10 +232,20 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
     import deepspeed
 
-    if not tdist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
-        )
+    for attempt in range(3):
+        if tdist.is_initialized():
+            break
+        try:
+            deepspeed.init_distributed(
+                dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
+            )
+        except tdist.DistNetworkError as exc:
+            # A port this one-rank group picked itself can be taken between free_port() and the store's bind
+            # (the ephemeral range other processes' connections draw from): pick another.
+            mine = os.environ.get(OWN_PORT) == os.environ.get("MASTER_PORT")
+            if not mine or "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+            os.environ["MASTER_PORT"] = os.environ[OWN_PORT] = str(free_port())
     return DistInfo(rank, world, local_rank, local_world, device, backend)
 
 

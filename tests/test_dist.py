@@ -23,3 +23,32 @@ def test_jit_ops_are_built_with_this_environments_ninja(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", "/usr/bin")
     dist.use_this_environments_ninja()
     assert os.environ["PATH"] == "/usr/bin"
+
+
+def test_a_one_rank_run_picks_another_port_when_its_own_is_taken(tmp_path):
+    """A one-rank run chooses its MASTER_PORT itself; when that port is taken before the group binds it (other
+    processes' connections draw from the same ephemeral range) it picks another instead of failing."""
+    import subprocess
+
+    from tests.helpers.tiny import ROOT
+
+    code = """
+import socket
+from dstrain import dist
+import os
+import torch.distributed as tdist
+busy = socket.socket(); busy.bind(("", 0)); busy.listen()
+taken = busy.getsockname()[1]
+ports = iter([taken])
+real = dist.free_port
+dist.free_port = lambda: next(ports, None) or real()
+info = dist.init_distributed()
+print("world", info.world_size, tdist.is_initialized(), os.environ["MASTER_PORT"] != str(taken))
+"""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "world 1 True True" in proc.stdout, proc.stderr[-2000:]

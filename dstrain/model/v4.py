@@ -39,7 +39,8 @@ HASH_TABLE = "tid2eid"
 
 def keeps_fp32(module: nn.Module, name: str) -> bool:
     """V4's small tensors of fp32 computations (mHC weights, attention sinks, compressor position biases):
-    DeepSeek ships them in fp32 and transformers keeps them so; a bf16 model keeps them fp32 too."""
+    DeepSeek ships them in fp32 and transformers keeps them so; `from_pretrained` at bf16 keeps them fp32 (bf16
+    training under DeepSpeed casts them with the rest; what they compute stays fp32)."""
     return isinstance(module, HyperConnection | HyperHead) or name in ("sinks", "position_bias")
 
 
