@@ -22,9 +22,10 @@ Figures, per dtype:
            after 1 + `--warmup` untimed steps each (oneDNN builds its kernels over the first steps);
            quoted: the median step time and the median and min over rounds of the per-round ratio
            transformers time / dstrain time (> 1: dstrain faster)
-  memory   `saved`: the bytes autograd keeps for backward in one training forward, caught by
+  memory   `saved`: the bytes autograd keeps for backward after one training forward, caught by
            `torch.autograd.graph.saved_tensors_hooks`, each storage once (by its `data_ptr()`), the
-           model's own parameters and buffers left out. `rss`: the process's peak resident set over one
+           model's own parameters and buffers left out (and what a freed graph saved: still alive at the
+           forward's end only). `rss`: the process's peak resident set over one
            step above its resident set before it (VmHWM reset by /proc/self/clear_refs, free heap returned
            by malloc_trim first; allocator-dependent, Linux only). For transformers, dstrain, and dstrain
            with `set_activation_checkpointing("mhc")` (each mHC's weights recomputed in backward) and with
@@ -44,6 +45,7 @@ import gc
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -128,21 +130,20 @@ def interleaved(ref: nn.Module, ours: nn.Module, ids: torch.Tensor, rounds: int)
 
 
 def saved_bytes(model: nn.Module, ids: torch.Tensor, hf: bool) -> int:
-    """Bytes of the storages autograd keeps for backward in one training forward, each once; the model's own
-    parameters and buffers left out."""
+    """Bytes of the storages autograd keeps for backward after one training forward, each once; the model's
+    own parameters and buffers left out, and tensors saved by a graph freed before the forward's end."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
+    packed: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in own:
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        packed.append(weakref.ref(t))  # alive while a graph node holds it
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, labels=ids, use_cache=False) if hf else model(ids, labels=ids)
+    kept = {s.data_ptr(): s.nbytes() for s in (r().untyped_storage() for r in packed if r() is not None)}
     del out
-    return sum(seen.values())
+    return sum(n for ptr, n in kept.items() if ptr not in own)
 
 
 def _vm_kib(field: str) -> int:
