@@ -286,7 +286,7 @@ def verify(
     if dtype != torch.float32:
         merge_lora(ref)
         for name, t in ref.state_dict(keep_vars=True).items():
-            if t.is_floating_point() and not stays_fp32(cfg, name):
+            if t.is_floating_point() and not stays_fp32(name):
                 t.data.copy_(t.data.to(dtype).float())
     from transformers.utils import logging as hf_logging
 

@@ -17,7 +17,6 @@ from .init import FreshWeights, fill, held_device, init_weights, local_tensors, 
 from .model import DeepSeekLM, is_expert_bias
 from .presets import get_config
 from .reader import HFReader, SafetensorsFile
-from .v4 import keeps_fp32
 from .v4_config import V4Config
 from .v4_hf import keeps_fp32 as v4_keeps_fp32
 from .v4_hf import open_v4, save_v4_folder, source_style, to_v4_hf, write_v4_config
@@ -69,14 +68,14 @@ def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtyp
     """Give every meta parameter and buffer of `module` real (uninitialised) memory on `device`, keeping the
     Parameter's attributes (parallel layouts tag shards on them) and ties; `Module.to_empty` would drop both."""
     done: dict[int, torch.Tensor] = {}
-    for m in module.modules():
+    for prefix, m in module.named_modules():
         for table in (m._parameters, m._buffers):
             for name, t in table.items():
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in done:
                     want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                    if is_expert_bias(name) or (want == dtype and keeps_fp32(m, name)):
+                    if want == dtype and stays_fp32(f"{prefix}.{name}" if prefix else name):
                         want = torch.float32
                     data = torch.empty(t.shape, dtype=want, device=device)
                     if isinstance(t, nn.Parameter):
@@ -177,9 +176,10 @@ def write_config(
         write_hf_config(cfg, path, dtype, generation)
 
 
-def stays_fp32(cfg: ModelConfig | V4Config, key: str) -> bool:
-    """A tensor the folder holds in fp32 whatever the weights' dtype."""
-    return is_expert_bias(key) or (isinstance(cfg, V4Config) and v4_keeps_fp32(key))
+def stays_fp32(key: str) -> bool:
+    """A tensor kept (and saved) in fp32 whatever the weights' dtype: the expert bias, and DeepSeek-V4's
+    fp32 tensors (mHC weights, sinks, compressor position biases; no V2/V3 name is one of them)."""
+    return is_expert_bias(key) or v4_keeps_fp32(key)
 
 
 def _check_shared_copies(reader: HFReader, model: DeepSeekLM) -> None:

@@ -389,6 +389,49 @@ def ce_sum(
     return ce, valid.sum()
 
 
+def target_rows(t: int, labels: torch.Tensor, shift: int) -> int:
+    """Positions predicting labels[i + shift]: all t when labels run on past them (a sequence-parallel
+    slice's halo), else the first t - shift."""
+    return min(t, labels.shape[1] - shift)
+
+
+def mtp_depth_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    k: int,
+    training: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """MTP depth k's summed cross-entropy of `hidden` (B, T, D, normed: position i predicts labels[i + k + 1])
+    -> (sum, target count, depth 1's top-1 hits in evaluation (its draft acceptance) or None)."""
+    shift = k + 1
+    n = target_rows(hidden.shape[1], labels, shift)
+    if n <= 0:
+        return hidden.new_zeros((), dtype=torch.float32), labels.new_zeros(()), None
+    hits = k == 1 and not training
+    s, *rest, c = ce_sum(
+        head,
+        hidden[:, :n],
+        labels[:, shift : shift + n],
+        target_mask(labels, position_ids, shift)[:, :n],
+        hits,
+    )
+    return s, c, rest[0] if hits else None
+
+
+@torch.no_grad()
+def update_expert_bias(routers: list[nn.Module], load: torch.Tensor, gamma: float) -> None:
+    """Aux-loss-free balancing: bias_i += γ·sign(mean(load) − load_i), one row of `load` per router (counted
+    over every token of the step on every rank); a router without a bias (V2 routing) is skipped."""
+    if gamma == 0:
+        return
+    for router, layer_load in zip(routers, load, strict=True):
+        if router.e_score_correction_bias is not None:
+            layer_load = layer_load.float().to(router.e_score_correction_bias.device)
+            router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
+
+
 def combine_losses(lm, mtp, aux, alpha: float, lam: float):  # noqa: ANN001, ANN201 - tensors or floats
     """The training objective from its parts: `lm` the token-mean LM loss, `mtp` the mean over depths of the
     token-mean MTP losses (or None), `aux` the sequence-balance loss (or None): lm + λ·mtp + α·aux."""
@@ -431,17 +474,9 @@ class DeepSeekLM(SparseControls, nn.Module):
     def routers(self) -> list[Router]:
         return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
 
-    @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
-        """Aux-loss-free balancing: bias_i += γ·sign(mean(load) − load_i), one row of `load` per MoE layer,
-        counted over every token of the step on every rank."""
-        gamma = self.config.bias_update_speed
-        if gamma == 0:
-            return
-        for router, layer_load in zip(self.routers(), load, strict=True):
-            if router.e_score_correction_bias is not None:
-                layer_load = layer_load.float().to(router.e_score_correction_bias.device)
-                router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
+        """Aux-loss-free balancing of every MoE layer's router (`update_expert_bias`)."""
+        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
 
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'attention' / 'mlp': only that sublayer of
@@ -574,14 +609,8 @@ class DeepSeekLM(SparseControls, nn.Module):
         if return_logits or (return_logits is None and labels is None):
             out.logits = self.lm_head(main_hidden)
         run_mtp = labels is not None and len(self.mtp) > 0
-
-        # Position i predicts labels[i + shift]: all t positions when labels run on past them (a sequence-
-        # parallel slice's halo), else the first t - shift.
-        def targets(shift: int) -> int:
-            return min(t, labels.shape[1] - shift)
-
         if labels is not None:
-            n = targets(1)
+            n = target_rows(t, labels, 1)
             out.lm_loss_sum, out.lm_tokens = self._ce_sum(
                 main_hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
             )
@@ -597,21 +626,11 @@ class DeepSeekLM(SparseControls, nn.Module):
                 if block_aux is not None:
                     aux = block_aux if aux is None else aux + block_aux
                     mtp_loads.append(load)
-                shift = k + 1
-                n = targets(shift)
-                if n > 0:
-                    # Evaluation also counts depth 1's top-1 hits: its draft acceptance.
-                    hits = k == 1 and not self.training
-                    s, *rest, c = self._ce_sum(
-                        mtp.shared_head_norm(prev)[:, :n],
-                        labels[:, shift : shift + n],
-                        target_mask(labels, position_ids, shift)[:, :n],
-                        hits,
-                    )
-                    if hits:
-                        (out.mtp_hits,) = rest
-                else:
-                    s, c = prev.new_zeros((), dtype=torch.float32), labels.new_zeros(())
+                s, c, hits = mtp_depth_loss(
+                    self.lm_head, mtp.shared_head_norm(prev), labels, position_ids, k, self.training
+                )
+                if hits is not None:
+                    out.mtp_hits = hits
                 sums.append(s)
                 counts.append(c)
             out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)

@@ -29,19 +29,15 @@ from .model import (
     Router,
     ce_sum,
     combine_losses,
+    mtp_depth_loss,
     sequence_balance,
+    target_rows,
+    update_expert_bias,
 )
 from .v4_attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
 from .v4_config import V4Config
 
 HASH_TABLE = "tid2eid"
-
-
-def keeps_fp32(module: nn.Module, name: str) -> bool:
-    """V4's small tensors of fp32 computations (mHC weights, attention sinks, compressor position biases):
-    DeepSeek ships them in fp32 and transformers keeps them so; `from_pretrained` at bf16 keeps them fp32 (bf16
-    training under DeepSpeed casts them with the rest; what they compute stays fp32)."""
-    return isinstance(module, HyperConnection | HyperHead) or name in ("sinks", "position_bias")
 
 
 def is_hash_table(name: str) -> bool:
@@ -195,15 +191,9 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         """The routers whose expert load the forward reports (biased layers: main, then MTP), in that order."""
         return [b.mlp.gate for b in self.blocks() if not b.mlp.hashed]
 
-    @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
-        """bias_i += γ·sign(mean(load) − load_i) per biased layer; `tid2eid` never changes."""
-        gamma = self.config.bias_update_speed
-        if gamma == 0:
-            return
-        for router, layer_load in zip(self.routers(), load, strict=True):
-            bias = router.e_score_correction_bias
-            bias.add_(gamma * torch.sign(layer_load.float().mean() - layer_load.float()).to(bias.device))
+        """Aux-loss-free balancing of the biased layers' routers; `tid2eid` never changes."""
+        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
 
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'mhc': the mHC weights of every sublayer
@@ -299,7 +289,7 @@ class DeepSeekV4LM(SparseControls, nn.Module):
             out.logits = self.lm_head(hidden)
         loads = [*loads] if loads is not None else []
         if labels is not None:
-            n = _targets(t, labels, 1)
+            n = target_rows(t, labels, 1)
             out.lm_loss_sum, out.lm_tokens = ce_sum(
                 self.lm_head, hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
             )
@@ -328,28 +318,11 @@ class DeepSeekV4LM(SparseControls, nn.Module):
             if block_aux is not None:
                 aux = block_aux if aux is None else aux + block_aux
                 loads.append(load)
-            shift = k + 1
-            n = _targets(t, labels, shift)
-            if n > 0:
-                hits = k == 1 and not self.training  # evaluation: depth 1's draft acceptance too
-                s, *rest, c = ce_sum(
-                    self.lm_head,
-                    mtp.norm(mtp.hc_head(streams))[:, :n],
-                    labels[:, shift : shift + n],
-                    target_mask(labels, position_ids, shift)[:, :n],
-                    hits,
-                )
-                if hits:
-                    (out.mtp_hits,) = rest
-            else:
-                s, c = streams.new_zeros((), dtype=torch.float32), labels.new_zeros(())
+            hidden = mtp.norm(mtp.hc_head(streams))
+            s, c, hits = mtp_depth_loss(self.lm_head, hidden, labels, position_ids, k, self.training)
+            if hits is not None:
+                out.mtp_hits = hits
             sums.append(s)
             counts.append(c)
         out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
         return aux
-
-
-def _targets(t: int, labels: torch.Tensor, shift: int) -> int:
-    """Positions predicting labels[i + shift]: all t when labels run past them (a sequence-parallel slice's
-    halo), else t - shift."""
-    return min(t, labels.shape[1] - shift)

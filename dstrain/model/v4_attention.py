@@ -97,6 +97,23 @@ class V4Inputs:
     """The row index of this forward's first token (its slice's start under sequence parallelism)."""
     row_positions: torch.Tensor | None = None
     """(B, whole rows) position ids (None: `position_ids` are the whole rows')."""
+    rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """cos and sin computed once per forward for every layer (`cos_sin`, `entry_cos_sin`)."""
+
+    def cos_sin(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' rotation of `kind` ("main" or "compress")."""
+        if kind not in self.rotations:
+            self.rotations[kind] = self.rope.cos_sin(self.position_ids, kind)
+        return self.rotations[kind]
+
+    def entry_cos_sin(self, rate: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation of `n` compressed entries of `rate` tokens: at their windows' start."""
+        key = ("entries", rate, n)
+        if key not in self.rotations:
+            rows = self.row_positions if self.row_positions is not None else self.position_ids
+            starts = torch.arange(n, device=rows.device) * rate
+            self.rotations[key] = self.rope.cos_sin(rows[:, starts], "compress")
+        return self.rotations[key]
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) of this forward's tokens -> the whole rows' (the sequence-parallel group's slices, with
@@ -301,7 +318,7 @@ class V4Attention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: V4Inputs) -> torch.Tensor:
         """x (B, T, hidden) -> (B, T, hidden)."""
         b, t, _ = x.shape
-        cos, sin = inputs.rope.cos_sin(inputs.position_ids, self.rope_kind)
+        cos, sin = inputs.cos_sin(self.rope_kind)
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms(self.q_b_proj(q_res).view(b, t, self.heads, self.head_dim), self.eps)
         q = rotate(q, cos.unsqueeze(2), sin.unsqueeze(2))
@@ -329,15 +346,10 @@ class V4Attention(nn.Module):
         comp = self.compressor
         raw = comp.entries(whole_x, inputs.doc)
         nw = raw.shape[1]
-        cos, sin = self._entry_rope(inputs, nw)
+        cos, sin = inputs.entry_cos_sin(comp.rate, nw)
         rows = torch.arange(inputs.offset, inputs.offset + t, device=whole_x.device)
         visible = visible_entries(comp, nw, inputs.doc, rows).expand(whole_x.shape[0], -1, -1)
         return rotate(raw, cos, sin), visible
-
-    def _entry_rope(self, inputs: V4Inputs, nw: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = inputs.row_positions if inputs.row_positions is not None else inputs.position_ids
-        starts = torch.arange(nw, device=rows.device) * self.compressor.rate
-        return inputs.rope.cos_sin(rows[:, starts], "compress")
 
     def _index(self, x, whole_x, q_res, inputs, visible):  # noqa: ANN001, ANN202
         """-> the index scores (B, T, n) fp32 of this forward's queries, with autograd to the indexer only
@@ -345,9 +357,10 @@ class V4Attention(nn.Module):
         indexer = self.compressor.indexer
         x, q_res = x.detach(), q_res.detach()
         keys = rotate(
-            indexer.entries(whole_x.detach(), inputs.doc), *self._entry_rope(inputs, visible.shape[-1])
+            indexer.entries(whole_x.detach(), inputs.doc),
+            *inputs.entry_cos_sin(indexer.rate, visible.shape[-1]),
         )
-        scores = indexer.scores(x, q_res, keys, inputs.rope.cos_sin(inputs.position_ids, "compress"))
+        scores = indexer.scores(x, q_res, keys, inputs.cos_sin("compress"))
         return scores, indexer.select(scores.detach(), visible)
 
     def _indexer_loss(self, o, scores, probs, support, chosen, inputs):  # noqa: ANN001, ANN202

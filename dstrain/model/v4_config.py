@@ -342,10 +342,7 @@ class V4Config:
 
     @property
     def is_moe(self) -> bool:
-        return True
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        """Every V4 layer is MoE; the balancing acts on the biased (non-hash) ones."""
+        """Every V4 layer is MoE (the balancing acts on the biased, non-hash ones)."""
         return True
 
     def attention_type(self, layer_idx: int) -> str:
