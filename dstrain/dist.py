@@ -195,6 +195,16 @@ def use_this_environments_ninja() -> None:
         os.environ["PATH"] = here + os.pathsep + path
 
 
+def skip_shared_memory_allreduce() -> None:
+    """DeepSpeed's CPU backend builds (40 s of C++ once per machine), probes every op's compiler and loads (0.4 s
+    of each process's start) a shared-memory all-reduce that only its inference engine calls, printing a line on
+    every rank. Training never calls it: its compatibility table (read for that op alone) says no."""
+    import deepspeed.ops
+
+    if "__compatible_ops__" not in vars(deepspeed.ops):  # not probed yet (a probe of a caller wins)
+        deepspeed.ops.__compatible_ops__ = {}
+
+
 def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     """The process group, on which every collective (and rendezvous-store wait) gives up after `timeout_s`
     seconds (--collective_timeout) instead of waiting forever for a rank that died or hangs."""
@@ -232,6 +242,8 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
     import deepspeed
 
+    if backend == "gloo":
+        skip_shared_memory_allreduce()
     for attempt in range(3):
         if tdist.is_initialized():
             break

@@ -46,7 +46,7 @@ def _deepspeed_ops() -> str:
 def report() -> tuple[list[str], str | None]:
     """(the lines to print, the reason a run cannot start or None)."""
     from dstrain.model import get_config, kernel_paths
-    from dstrain.model.attention import flash_attn_varlen_func, varlen_attn
+    from dstrain.model.attention import varlen_kernels
     from dstrain.model.kernels import CPU_NATIVE_BF16
 
     lines = [
@@ -73,8 +73,9 @@ def report() -> tuple[list[str], str | None]:
         lines.append(
             f"  CPU: {os.cpu_count()} cores, native bf16 {'yes' if CPU_NATIVE_BF16 else 'no (bf16 computes in fp32)'}"
         )
-    flash = "installed" if flash_attn_varlen_func is not None else _version("flash-attn")
-    lines.append(f"flash-attn: {flash}; torch varlen_attn: {'yes' if varlen_attn is not None else 'no'}")
+    flash_attn_varlen, torch_varlen = varlen_kernels()
+    flash = "installed" if flash_attn_varlen is not None else _version("flash-attn")
+    lines.append(f"flash-attn: {flash}; torch varlen_attn: {'yes' if torch_varlen is not None else 'no'}")
     device = devices[0] if devices else torch.device("cpu")
     cfg = get_config("tiny")
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

@@ -92,12 +92,11 @@ def steady_peak(phases: dict) -> int:
     return max(phases["setup"].peak_bytes, phases["step 2"].start_bytes + last.peak_bytes - last.start_bytes)
 
 
-def worker(names: list[str], out: str) -> None:
-    sys.path.insert(0, str(ROOT))
+def measure(info, names: list[str]) -> dict:  # noqa: ANN001 - a dstrain.dist.DistInfo
+    """This rank's measured and predicted peak (bytes) and the estimate's peak phase, for each layout."""
     import gc
 
     import torch
-    import torch.distributed as tdist
 
     from dstrain import dist
     from dstrain.config.plan import prepare
@@ -105,7 +104,6 @@ def worker(names: list[str], out: str) -> None:
     from dstrain.memory.measure import AllocationTracker
     from dstrain.training.trainer import Trainer
 
-    info = dist.init_distributed()
     cfg = model_config()
 
     class Rows:
@@ -133,6 +131,18 @@ def worker(names: list[str], out: str) -> None:
         measured = steady_peak({p.name: p for p in tracker.phases})
         est = estimate(Workload.of(plan))
         results[name] = {"measured": measured, "predicted": est.per_rank[info.rank], "phase": est.phase}
+    return results
+
+
+def worker(names: list[str], out: str) -> None:
+    """One rank of the launch: `measure`, every rank's results written by rank 0 to `out`."""
+    sys.path.insert(0, str(ROOT))
+    import torch.distributed as tdist
+
+    from dstrain import dist
+
+    info = dist.init_distributed()
+    results = measure(info, names)
     gathered: list = [None] * info.world_size
     tdist.all_gather_object(gathered, results)
     if info.rank == 0:

@@ -13,24 +13,24 @@ if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
 # Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the
-# other core: a 1.4 s test took 47 s): the multi-rank tests, and the rest followed by the two slowest multi-rank
-# files and the CUDA-policy pass. Ranks leave the cores idle a third of the time while they start and wait,
-# which the other session fills. The tests bounded in time (a hang, preemption) come last in the first
-# session, after the other has ended. Each session has its own temporary folder; the second one's report
-# follows the first's.
+# other core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
+# tests/helpers/pool.py), and the rest followed by four multi-rank files (balancing the two) and the CUDA-policy
+# pass. Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded in
+# time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
+# one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
-moved=(tests/training/test_compile.py tests/memory/test_measure.py)
+moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py)
 (
-  "${pytest[@]}" -m "not multirank" --durations=5 --basetemp "$tmp/rest" &&
-    "${pytest[@]}" --durations=2 --basetemp "$tmp/moved" "${moved[@]}" &&
-    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --basetemp "$tmp/policy" tests/model/test_attention.py \
+  "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
+    "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}" &&
+    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/test_attention.py \
       tests/model/test_experts.py tests/model/test_parity.py tests/model/test_dsa.py tests/model/test_gpu_path.py \
       tests/parallel/test_layouts.py::test_bf16_layouts_with_overlapped_reductions
 ) >"$tmp/rest.log" 2>&1 &
 rest=$!
 status=0
-"${pytest[@]}" -m multirank --durations=15 --basetemp "$tmp/ranks" "${moved[@]/#/--ignore=}" || status=$?
+"${pytest[@]}" -m multirank --durations=30 --basetemp "$tmp/ranks" "${moved[@]/#/--ignore=}" || status=$?
 wait "$rest" || status=$?
 echo "--- the other session: the tests not marked multirank, ${moved[*]}, then DSTRAIN_KERNEL_POLICY=cuda"
 cat "$tmp/rest.log"

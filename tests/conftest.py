@@ -17,3 +17,13 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     from tests.helpers.runs import lora_runs
 
     return lora_runs(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="session")
+def rank_pools(tmp_path_factory):
+    """The session's pools of ranks (tests/helpers/pool.py): multi-rank scenarios run in them."""
+    from tests.helpers.pool import Pools
+
+    pools = Pools(tmp_path_factory.mktemp("pool_logs"))
+    yield pools
+    pools.close()

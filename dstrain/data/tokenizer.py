@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -125,6 +125,20 @@ def special_ids(tok) -> tuple[int, int]:
     return int(eos), int(eos if pad is None else pad)
 
 
+_LITERAL: dict[int, tuple[Any, Any]] = {}  # id(tok) -> (tok, its backend reading special tokens as text)
+
+
+def _literal_backend(tok) -> Any:  # noqa: ANN001
+    """A private copy of `tok`'s Rust tokenizer that encodes special-token strings as text (raw web text that
+    happens to contain "<｜end▁of▁sentence｜>" must not become EOS), one per tokenizer and process: copying a
+    128K-token vocabulary takes 0.4 s, and every stream of a run would otherwise copy it again."""
+    if id(tok) not in _LITERAL:
+        backend = copy.deepcopy(tok.backend_tokenizer)
+        backend.encode_special_tokens = True
+        _LITERAL[id(tok)] = (tok, backend)  # the tokenizer kept alive: its id stays its own
+    return _LITERAL[id(tok)][1]
+
+
 class PretrainEncoder:
     """Batched text -> token ids (+ EOS, optional BOS). Special-token strings inside the text stay text."""
 
@@ -134,9 +148,7 @@ class PretrainEncoder:
         if add_bos and bos is None:
             raise DataError("tokenizer: add_bos is set but the tokenizer has no BOS token")
         self.prefix = [int(bos)] if add_bos else []
-        # a private copy: raw web text that happens to contain "<｜end▁of▁sentence｜>" must not become EOS
-        self.backend = copy.deepcopy(tok.backend_tokenizer)
-        self.backend.encode_special_tokens = True
+        self.backend = _literal_backend(tok)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         prefix, eos = self.prefix, (self.eos,)

@@ -12,9 +12,11 @@ and 85 vs 107 ms in bf16, with errors against float64 no larger (tests/model/tes
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,19 +27,27 @@ from .kernels import compute_dtype, cuda_capability, gpu_kernels
 
 log = logging.getLogger(__name__)
 
-# Packed rows on CUDA run a varlen flash kernel: flash-attn's when installed, else torch's own (2.13+).
-try:
-    from flash_attn import flash_attn_varlen_func
-except ImportError as exc:  # pragma: no cover - not installed on CPU machines
-    flash_attn_varlen_func = None
-    if importlib.util.find_spec("flash_attn") is not None:  # installed but broken (a build for another torch)
-        log.warning(
-            "flash_attn is installed but does not import (%s): packed rows use torch's varlen kernel", exc
-        )
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - torch < 2.10
-    varlen_attn = None
+
+@functools.cache
+def varlen_kernels() -> tuple[Callable | None, Callable | None]:
+    """(flash-attn's varlen function, torch's varlen_attn (2.13+)), None where missing: packed rows on CUDA run
+    the first there is. Imported on first need: torch's module imports the compiler stack (1.2 s on a 2-core CPU),
+    which commands that build no model (`dstrain plan`, `dstrain data`) never need."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as exc:  # pragma: no cover - not installed on CPU machines
+        flash_attn_varlen_func = None
+        if (
+            importlib.util.find_spec("flash_attn") is not None
+        ):  # installed but broken (a build for another torch)
+            log.warning(
+                "flash_attn is installed but does not import (%s): packed rows use torch's varlen kernel", exc
+            )
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - torch < 2.10
+        varlen_attn = None
+    return flash_attn_varlen_func, varlen_attn
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -147,9 +157,10 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> str | None:
         return None
     if device.type != "cuda":
         return "CPU reference of the varlen kernels (DSTRAIN_KERNEL_POLICY=cuda)"
-    if flash_attn_varlen_func is not None:
+    flash, torch_varlen = varlen_kernels()
+    if flash is not None:
         return "flash-attn varlen"
-    return "torch varlen_attn" if varlen_attn is not None else None
+    return "torch varlen_attn" if torch_varlen is not None else None
 
 
 def attention_path(device: torch.device, dtype: torch.dtype, packed: bool) -> str:
@@ -241,12 +252,13 @@ def attend(
         # The varlen kernels want one head dim for q, k and v: pad v and cut the padding off the output.
         v_pad = F.pad(v, (0, dqk - dv)) if dv < dqk else v
         qkv = [x.reshape(b * t, h, dqk) for x in (q, k, v_pad)]
+        flash, torch_varlen = varlen_kernels() if q.device.type == "cuda" else (None, None)
         if q.device.type != "cuda":
             out = _varlen_reference(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
-        elif flash_attn_varlen_func is not None:
-            out = flash_attn_varlen_func(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+        elif flash is not None:
+            out = flash(*qkv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
         else:
-            out = varlen_attn(*qkv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+            out = torch_varlen(*qkv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
         return out[..., :dv].reshape(b, t, h, dv)
     if not gpu_kernels(q.device):
         # (B, T, H, d) -> (B * H, T, d) rows in the compute dtype (see kernels.compute_dtype)

@@ -77,7 +77,7 @@ def run(opts: Options) -> int:
         exc.all_ranks = True
         raise
     try:
-        return _train(plan)
+        return train(plan)
     except Exception as exc:
         if isinstance(exc, UserError) or not watchdog.is_peer_failure(exc):
             raise
@@ -86,7 +86,9 @@ def run(opts: Options) -> int:
         dist.shutdown()
 
 
-def _train(plan: RunPlan) -> int:
+def train(plan: RunPlan) -> int:
+    """The run of a resolved plan on this process's group (made here when there is none, as under a launcher)
+    -> the exit code (PREEMPTED_EXIT_CODE when it stopped early). `run` adds the error policy and ends the group."""
     opts = plan.opts
     model = opts.model.model
     info = dist.init_distributed(opts.run.collective_timeout)

@@ -4,6 +4,7 @@ and a plain-PyTorch reference loop."""
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -79,10 +80,11 @@ def reference_eval(model, rows: dict[str, torch.Tensor]) -> dict[str, float]:  #
 
 
 def make_options(extra: list[str]):  # noqa: ANN201 - dstrain.config.options.Options
-    """Options from flags, with the tests' row length and a short warmup."""
+    """Options from flags, with the tests' row length, a short warmup, and no plots (their own tests make them:
+    1.4 s of matplotlib at the end of each run would be a third of a layout test's time)."""
     from dstrain.config.options import parse_options
 
-    return parse_options(["--seq_len", str(SEQ), "--warmup_steps", "2", "--lr", "3e-3", *extra])
+    return parse_options(["--seq_len", str(SEQ), "--warmup_steps", "2", "--lr", "3e-3", "--no-plots", *extra])
 
 
 def make_trainer(
@@ -183,3 +185,17 @@ def reference_run(
     bias = [r.e_score_correction_bias.tolist() for r in model.routers()]
     out_recs[-1]["bias"] = bias
     return out_recs
+
+
+_REFERENCES: dict[tuple, list[dict[str, float]]] = {}
+
+
+def cached_reference(flags: list[str], steps: int, global_batch: int) -> list[dict[str, float]]:
+    """`reference_run` of the tiny test model with `make_options(flags)`, computed once per test session for each
+    question (flags, steps, global batch) that several tests ask; a copy for each caller."""
+    key = (tuple(flags), steps, global_batch)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(
+            tiny_config(), make_options(flags), steps=steps, global_batch=global_batch
+        )
+    return copy.deepcopy(_REFERENCES[key])

@@ -6,14 +6,13 @@ one process fine-tuning the same folder, and reads less than the whole folder on
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
 
 from tests.helpers.hf import read_folder
-from tests.helpers.ranks import launch
+from tests.helpers.pool import ScenarioResults
 from tests.helpers.tiny import tiny_config
 from tests.helpers.trainer import make_options, reference_run
 from tests.parallel.worker import FINETUNE, FT_STEPS, GLOBAL_ROWS, LORA, common
@@ -40,14 +39,12 @@ def source(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def finetuned(source, tmp_path_factory):
+def finetuned(source, tmp_path_factory, rank_pools):
+    """Each layout's runs on 2 ranks (every rank's figures), run in the pool when a test first asks."""
     tmp = tmp_path_factory.mktemp("ft")
-    proc = launch(["-m", "tests.parallel.worker", str(tmp), "--hf", str(source), *FINETUNE], timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = {
-        n: [json.loads((tmp / f"{n}_rank{r}.json").read_text()) for r in range(2)]
-        for n in [*FINETUNE, "z3_bf16"]
-    }
+    res = ScenarioResults(
+        rank_pools, 2, "tests.parallel.worker:finetune_run", str(tmp), str(source), all_ranks=True
+    )
     return tmp, res
 
 
@@ -75,7 +72,8 @@ def reference(source):
 def test_loaded_weights_are_the_folders_bits(finetuned, source, tmp_path, name):
     from dstrain.checkpoint.export import export
 
-    tmp, _ = finetuned
+    tmp, res = finetuned
+    res[name]  # noqa: B018 - the layout's runs (in the pool, the first time)
     export(tmp / name / "steps0" / "checkpoints" / "step_00000000", tmp_path / "out")
     src, got = read_folder(source), read_folder(tmp_path / "out")
     assert got.keys() == src.keys()
@@ -105,7 +103,8 @@ def test_adapters_train_like_one_process(finetuned, reference, name):
     (measured up to 2.6e-5)."""
     from dstrain.checkpoint.weights import iter_weights
 
-    tmp, _ = finetuned
+    tmp, res = finetuned
+    res[name]  # noqa: B018
     ckpt = tmp / name / f"steps{FT_STEPS}" / "checkpoints" / f"step_{FT_STEPS:08d}"
     got = {k: t for k, t in iter_weights(ckpt) if k.endswith(("lora_A", "lora_B"))}
     want = {k: t for k, t in reference["True_state"].items() if k.endswith(("lora_A", "lora_B"))}
@@ -120,7 +119,8 @@ def test_adapters_train_like_one_process(finetuned, reference, name):
 def test_export_after_finetuning_matches_transformers(finetuned, tmp_path, name, capsys):
     from dstrain.cli import main as dstrain_main
 
-    tmp, _ = finetuned
+    tmp, res = finetuned
+    res[name]  # noqa: B018
     ckpt = tmp / name / f"steps{FT_STEPS}" / "checkpoints" / f"step_{FT_STEPS:08d}"
     assert dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--verify"]) == 0
     found = re.search(r"max \|logits diff\| (\S+) ", capsys.readouterr().out)
@@ -144,15 +144,16 @@ def test_each_rank_reads_only_what_it_holds(finetuned, name):
         assert read == [x["held_bytes"] for x in runs], (read, [x["held_bytes"] for x in runs])
 
 
-def test_zero3_bf16_keeps_the_expert_bias_fp32(finetuned, source):
+def test_zero3_bf16_keeps_the_expert_bias_fp32(finetuned, source, rank_pools):
     """zero.Init casts every buffer to bf16, where bias steps of γ = 1e-3 near 0.4 would round away."""
     from dstrain.model import get_config
     from dstrain.model.reader import HFReader
 
-    _, res = finetuned
+    tmp, _ = finetuned
     with HFReader(source, get_config(source)) as reader:
         want = [reader.read(k).tolist() for k in sorted(reader.sources) if k.endswith("correction_bias")]
-    for rank in res["z3_bf16"]:
+    ranks = rank_pools.cached("z3_bf16", 2, "tests.parallel.worker:finetune_bf16", str(tmp), str(source))
+    for rank in ranks:
         assert [v for _, v in rank["loaded"]] == want  # exact fp32 values
         assert all(d == "torch.float32" for d, _ in rank["loaded"] + rank["trained"])
         steps = torch.tensor([v for _, v in rank["trained"]]) - torch.tensor(want)

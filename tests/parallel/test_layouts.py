@@ -7,14 +7,13 @@ acceptance) against one process's on the same rows, before and after a resume.""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 import torch
 
-from tests.helpers.ranks import launch
+from tests.helpers.pool import ScenarioResults
 from tests.helpers.tiny import tiny_config, tiny_dsa_config, tiny_v4_config
 from tests.helpers.trainer import make_options, reference_run
 from tests.parallel.worker import DATA, DSA, GLOBAL_ROWS, LORA, MUON, RESHARD, RESHARD_DSA, STEPS, common
@@ -67,13 +66,6 @@ def muon_reference():
     return {"full": (hist, state), "lora": _lora_reference(MUON)}
 
 
-def _launch(tmp, nproc: int, layouts: list[str], src=None):
-    args = ["--from", str(src)] if src is not None else []
-    proc = launch(["-m", "tests.parallel.worker", str(tmp), *args, *layouts], nproc=nproc, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in layouts}
-
-
 @pytest.fixture(scope="module")
 def dsa_reference():
     opts = make_options([*common(1).split(), *DSA.split()])
@@ -92,22 +84,27 @@ def dsa_reference():
     return out
 
 
+def _layouts(pools, tmp, nproc: int) -> ScenarioResults:
+    """Each layout's run on `nproc` ranks in the pool, when a test first asks for it (worker.run_layout)."""
+    return ScenarioResults(pools, nproc, "tests.parallel.worker:run_layout", str(tmp), timeout=600)
+
+
 @pytest.fixture(scope="module")
-def dsa_two_rank(tmp_path_factory):
+def dsa_two_rank(tmp_path_factory, rank_pools):
     tmp = tmp_path_factory.mktemp("dsa2")
-    return tmp, _launch(tmp, 2, TWO_DSA + TWO_V4)
+    return tmp, _layouts(rank_pools, tmp, 2)
 
 
 @pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
+def two_rank(tmp_path_factory, rank_pools):
     tmp = tmp_path_factory.mktemp("par2")
-    return tmp, _launch(tmp, 2, TWO + TWO_LORA + TWO_MUON)
+    return tmp, _layouts(rank_pools, tmp, 2)
 
 
 @pytest.fixture(scope="module")
-def four_rank(tmp_path_factory):
+def four_rank(tmp_path_factory, rank_pools):
     tmp = tmp_path_factory.mktemp("par4")
-    return tmp, _launch(tmp, 4, FOUR)
+    return tmp, _layouts(rank_pools, tmp, 4)
 
 
 def _rel(a: float, b: float) -> float:
@@ -201,9 +198,9 @@ def test_muon_state_bytes_are_the_estimate(two_rank, muon, adamw):
 
 
 @pytest.fixture(scope="module")
-def bf16_two_rank(tmp_path_factory):
+def bf16_two_rank(tmp_path_factory, rank_pools):
     tmp = tmp_path_factory.mktemp("bf16")
-    return tmp, _launch(tmp, 2, ["dp2_bf16", *BF16, "muon_ep2_bf16"])
+    return tmp, _layouts(rank_pools, tmp, 2)
 
 
 @pytest.mark.parametrize("name", BF16)
@@ -319,7 +316,7 @@ def test_no_rank_builds_the_whole_fresh_model(two_rank, four_rank, name):
 
     with torch.device("meta"):
         whole = sum(t.numel() * 4 for _, t in local_tensors(DeepSeekLM(tiny_config())))
-    fresh = {**two_rank[1], **four_rank[1]}[name]["fresh"]
+    fresh = (four_rank if name in FOUR else two_rank)[1][name]["fresh"]
     assert fresh["held"] < whole
     if "tp" in name:
         assert fresh["drawn"] < whole, (fresh, whole)
@@ -331,6 +328,7 @@ def test_no_rank_builds_the_whole_fresh_model(two_rank, four_rank, name):
 def test_saves_spread_over_the_data_parallel_ranks(two_rank, name):
     """weights/ and the moments (3 x the fp32 model) are written by both ranks of a data-parallel group, about
     half each (by bytes, whole tensors), not by rank 0 alone."""
+    two_rank[1][name]  # noqa: B018 - the run (in the pool, the first time)
     ckpt = two_rank[0] / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
     for folder in ("weights", "optimizer/exp_avg", "optimizer/exp_avg_sq"):
         written = [
@@ -345,7 +343,8 @@ def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name,
     gives the logits of dstrain's model built from the checkpoint."""
     from dstrain.cli import main as dstrain_main
 
-    tmp, _ = two_rank
+    tmp, res = two_rank
+    res[name]  # noqa: B018 - the run (in the pool, the first time)
     ckpt = tmp / name / "straight" / "checkpoints" / f"step_{STEPS:08d}"
     assert (
         dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32", "--verify"])
@@ -355,15 +354,35 @@ def test_export_from_each_layout_loads_in_transformers(two_rank, tmp_path, name,
     assert found and float(found.group(1)) <= 1e-5, found
 
 
+class _Resumed:
+    """`[TARGET@SOURCE]`: the SOURCE layout's step-3 checkpoint (run first if it has not) continued in layout
+    TARGET on the ranks `ranks` gives it (worker.reshard_run); `data_*` runs: real data, 2 ranks' run first."""
+
+    def __init__(self, pools, sources, tmp, ranks: dict[str, int]) -> None:  # noqa: ANN001
+        self.sources, self.ranks = sources, ranks
+        self.runs = {
+            n: ScenarioResults(
+                pools, n, "tests.parallel.worker:reshard_run", str(tmp), str(sources[0]), timeout=600
+            )
+            for n in set(ranks.values())
+        }
+
+    def __getitem__(self, run: str):  # noqa: ANN204
+        source = run.partition("@")[2]
+        if source.startswith("data_"):
+            self[source]  # noqa: B018 - its checkpoint first
+        elif source:
+            self.sources[1][source]  # noqa: B018
+        return self.runs[self.ranks[run]][run]
+
+
 @pytest.fixture(scope="module")
-def resharded(two_rank, tmp_path_factory):
+def resharded(two_rank, tmp_path_factory, rank_pools):
     """The 2-rank layouts' step-3 checkpoints continued on 1, 2 and 4 ranks in other layouts, and the
-    real-data runs (2 ranks first: the 1-rank launch continues one of them)."""
-    tmp, res = tmp_path_factory.mktemp("reshard"), {}
-    for nproc in (2, 1, 4):
-        runs = [f"{target}@{source}" for target, source in RESHARD[nproc]] + DATA.get(nproc, [])
-        res.update(_launch(tmp, nproc, runs, src=two_rank[0]))
-    return res
+    real-data runs (the 1-rank one continues the 2-rank one)."""
+    ranks = {f"{t}@{s}": n for n, pairs in RESHARD.items() for t, s in pairs}
+    ranks.update({run: n for n, runs in DATA.items() for run in runs})
+    return _Resumed(rank_pools, two_rank, tmp_path_factory.mktemp("reshard"), ranks)
 
 
 @pytest.mark.parametrize("run", [f"{t}@{s}" for n in (1, 2, 4) for t, s in RESHARD[n]])
@@ -395,11 +414,9 @@ def test_real_data_rows_do_not_depend_on_rank_count(resharded):
 
 
 @pytest.fixture(scope="module")
-def dsa_resharded(dsa_two_rank, tmp_path_factory):
-    tmp, res = tmp_path_factory.mktemp("dsa_reshard"), {}
-    for nproc, pairs in RESHARD_DSA.items():
-        res.update(_launch(tmp, nproc, [f"{t}@{s}" for t, s in pairs], src=dsa_two_rank[0]))
-    return res
+def dsa_resharded(dsa_two_rank, tmp_path_factory, rank_pools):
+    ranks = {f"{t}@{s}": n for n, pairs in RESHARD_DSA.items() for t, s in pairs}
+    return _Resumed(rank_pools, dsa_two_rank, tmp_path_factory.mktemp("dsa_reshard"), ranks)
 
 
 @pytest.mark.parametrize("run", [f"{t}@{s}" for pairs in RESHARD_DSA.values() for t, s in pairs])

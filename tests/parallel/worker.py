@@ -1,7 +1,7 @@
-"""Multi-rank worker for tests/parallel/test_layouts.py: `python -m torch.distributed.run --nproc_per_node N
--m tests.parallel.worker OUT LAYOUT [LAYOUT ...]` (from the repository root) trains each layout 8 steps on the same global batches
-(4 rows/step), saves at step 3 and 5, resumes from 3 in the same layout, evaluates at the end of both runs
-(support.eval_rows), and writes OUT/LAYOUT.json.
+"""Multi-rank scenarios for tests/parallel/ (run in the test session's pool of ranks, tests/helpers/pool.py):
+`run_layout` trains a layout 8 steps on the same global batches (4 rows/step), saves at steps 3 and 6, resumes
+from 3 in the same layout and evaluates at the end of both runs; `reshard_run` continues a layout's checkpoint
+on another; `finetune_run` and `finetune_bf16` start from a Hugging Face folder.
 
 adam_eps 1e-6: with the default 1e-8, a weight whose gradient is ~1e-9 (a nearly dead MLP neuron of this tiny
 model) gets an Adam step of ~lr * g / (|g| + eps) that turns fp32 summation-order noise into a visible
@@ -10,7 +10,6 @@ difference; the larger eps keeps the comparison about the layouts, not about tha
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -187,91 +186,93 @@ def state_bytes(engine) -> int:  # noqa: ANN001
     return total
 
 
-def main(out: str, layouts: list[str]) -> None:
+def write_configs(info, out: str) -> None:  # noqa: ANN001
+    """The DeepSpeed files the layouts name ({out}/zero0.json ...), written by rank 0 for every rank."""
     from dstrain import dist
 
-    info = dist.init_distributed()
-    Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
-    for stage in (1, 2):
-        zero = {"stage": stage, "overlap_comm": True}
-        Path(out, f"zero{stage}_overlap.json").write_text(json.dumps({"zero_optimization": zero}))
-    for name in layouts:
-        base = f"{out}/{name}"
-        flags = LAYOUTS[name].format(out=out)
-        t0 = time.perf_counter()
-        tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
-        drawn, held = tr.load_stats["bytes_drawn"], held_bytes(tr.model)
+    if info.rank == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+        for stage in (1, 2):
+            zero = {"stage": stage, "overlap_comm": True}
+            Path(out, f"zero{stage}_overlap.json").write_text(json.dumps({"zero_optimization": zero}))
+    dist.barrier()
+
+
+def run_layout(info, out: str, name: str) -> dict | None:  # noqa: ANN001
+    """A pool scenario (tests/helpers/pool.py): train layout `name` STEPS steps into OUT/NAME/straight (saving at
+    3 and 6), resume it from step 3 into OUT/NAME/resumed, evaluate at the end of both -> rank 0's figures."""
+    write_configs(info, out)
+    base = f"{out}/{name}"
+    flags = LAYOUTS[name].format(out=out)
+    t0 = time.perf_counter()
+    tr = trainer(flags, f"{base}/straight", info, evaluate=True, cfg=model_for(name))
+    drawn, held = tr.load_stats["bytes_drawn"], held_bytes(tr.model)
+    tr.run()
+    states = state_bytes(tr.engine)
+    wall = time.perf_counter() - t0
+    hist = [
+        {k: r.get(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "indexer_loss")}
+        for r in tr.history
+    ]
+    evals = tr.eval_history
+    resumed, evals_resumed = None, None
+    if name not in NO_SAME_LAYOUT_RESUME:
+        tr = trainer(
+            flags,
+            f"{base}/resumed",
+            info,
+            resume=f"{base}/straight/checkpoints/step_00000003",
+            evaluate=True,
+            cfg=model_for(name),
+        )
         tr.run()
-        states = state_bytes(tr.engine)
-        wall = time.perf_counter() - t0
-        hist = [
-            {k: r.get(k) for k in ("loss", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "indexer_loss")}
-            for r in tr.history
-        ]
-        evals = tr.eval_history
-        resumed, evals_resumed = None, None
-        if name not in NO_SAME_LAYOUT_RESUME:
-            tr = trainer(
-                flags,
-                f"{base}/resumed",
-                info,
-                resume=f"{base}/straight/checkpoints/step_00000003",
-                evaluate=True,
-                cfg=model_for(name),
-            )
-            tr.run()
-            resumed, evals_resumed = [r["loss"] for r in tr.history], tr.eval_history
-        if info.rank == 0:
-            res = {
-                "history": hist,
-                "resumed": resumed,
-                "wall_s": wall,
-                "eval": evals,
-                "eval_resumed": evals_resumed,
-                "fresh": {"drawn": drawn, "held": held},  # rank 0's, fp32 bytes
-                "state_bytes": states,  # rank 0's optimizer: fp32 master and state tensors
-            }
-            Path(f"{base}.json").write_text(json.dumps(res))
-        dist.barrier()
+        resumed, evals_resumed = [r["loss"] for r in tr.history], tr.eval_history
+    if info.rank != 0:
+        return None
+    return {
+        "history": hist,
+        "resumed": resumed,
+        "wall_s": wall,
+        "eval": evals,
+        "eval_resumed": evals_resumed,
+        "fresh": {"drawn": drawn, "held": held},  # rank 0's, fp32 bytes
+        "state_bytes": states,  # rank 0's optimizer: fp32 master and state tensors
+    }
 
 
-def reshard_main(out: str, src: str, runs: list[str]) -> None:
-    """Each `TARGET@SOURCE`: resume SOURCE's step-3 checkpoint (under `src`) in layout TARGET to the end.
-    `data_*` runs train on text through the data package's loader (GlobalRows elsewhere), GA 4 / ranks; with
-    `@SOURCE`, resuming that run's step 3 (under `out`)."""
-    from dstrain import dist
+def reshard_run(info, out: str, src: str, run: str) -> list[dict] | None:  # noqa: ANN001
+    """A pool scenario: `TARGET@SOURCE` resumes SOURCE's step-3 checkpoint (under `src`) in layout TARGET to the
+    end. `data_*` runs train on text through the data package's loader (GlobalRows elsewhere), GA 4 / ranks;
+    with `@SOURCE`, resuming that run's step 3 (under `out`). -> rank 0's (step, loss, grad norm) per step."""
     from tests.helpers.tiny import byte_tokenizer, tiny_config
-    from tests.helpers.trainer import make_options, make_trainer
 
-    info = dist.init_distributed()
-    Path(out, "zero0.json").write_text(json.dumps({"zero_optimization": {"stage": 0}}))
-    for run in runs:
-        target, _, source = run.partition("@")
-        if target.startswith("data_"):
-            flags = (
-                f"--config zero1 --data shakespeare --num_workers 0 --micro_batch_size 1 "
-                f"--gradient_accumulation_steps {4 // info.world_size} --max_steps 6 --save_every 3 "
-                "--keep_last 0 --precision fp32 --adam_eps 1e-6 --clip_grad 0.5 --seed 5"
-            )
-            resume = f"{out}/{source}/checkpoints/step_00000003" if source else None
-            tr = make_trainer(
-                make_options(flags.split()),
-                f"{out}/{run}",
-                info,
-                cfg=tiny_config(vocab_size=272),  # the byte tokenizer's specials too
-                resume=resume,
-                tokenizer=byte_tokenizer(),
-            )
-        else:
-            resume = f"{src}/{source}/straight/checkpoints/step_00000003"
-            tr = trainer(
-                LAYOUTS[target].format(out=out), f"{out}/{run}", info, resume=resume, cfg=model_for(target)
-            )
-        tr.run()
-        if info.rank == 0:
-            hist = [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.history]
-            Path(f"{out}/{run}.json").write_text(json.dumps(hist))
-        dist.barrier()
+    write_configs(info, out)
+    target, _, source = run.partition("@")
+    if target.startswith("data_"):
+        flags = (
+            f"--config zero1 --data shakespeare --num_workers 0 --micro_batch_size 1 "
+            f"--gradient_accumulation_steps {4 // info.world_size} --max_steps 6 --save_every 3 "
+            "--keep_last 0 --precision fp32 --adam_eps 1e-6 --clip_grad 0.5 --seed 5"
+        )
+        resume = f"{out}/{source}/checkpoints/step_00000003" if source else None
+        tr = make_trainer(
+            make_options(flags.split()),
+            f"{out}/{run}",
+            info,
+            cfg=tiny_config(vocab_size=272),  # the byte tokenizer's specials too
+            resume=resume,
+            tokenizer=byte_tokenizer(),
+        )
+    else:
+        resume = f"{src}/{source}/straight/checkpoints/step_00000003"
+        tr = trainer(
+            LAYOUTS[target].format(out=out), f"{out}/{run}", info, resume=resume, cfg=model_for(target)
+        )
+    tr.run()
+    if info.rank != 0:
+        return None
+    return [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.history]
 
 
 def held_bytes(model) -> int:  # noqa: ANN001
@@ -281,37 +282,42 @@ def held_bytes(model) -> int:  # noqa: ANN001
     return sum(t.numel() * 4 for _, t in local_tensors(model) if not t.is_meta)
 
 
-def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
-    """Each layout: --max_steps 0 (the loaded weights, checkpointed as they are) and FT_STEPS steps."""
+def finetune_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
+    """A pool scenario: layout `name` on the HF folder, --max_steps 0 (the loaded weights, checkpointed as they
+    are) and FT_STEPS steps -> this rank's histories, load statistics and held bytes."""
     from deepspeed.utils import groups as deepspeed_groups
 
     from dstrain import dist
 
-    info = dist.init_distributed()
-    hpz = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    hpz["zero_optimization"]["zero_hpz_partition_size"] = 2
-    Path(out, "zero3_hpz.json").write_text(json.dumps(hpz))
-    for name in layouts:
-        res = {}
-        for steps in (0, FT_STEPS):
-            # DeepSpeed creates the ZeRO++ group once per process and asserts on a second zero.Init
-            deepspeed_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-            tr = trainer(
-                FINETUNE[name].format(out=out),
-                f"{out}/{name}/steps{steps}",
-                info,
-                extra=f"--max_steps {steps}",
-                hf=folder,
-            )
-            tr.run()
-            res[steps] = {
-                "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
-                "load": tr.load_stats,
-                "held_bytes": held_bytes(tr.model),
-            }
-        Path(f"{out}/{name}_rank{info.rank}.json").write_text(json.dumps(res))
-        dist.barrier()
-    # ZeRO-3 in bf16: the expert bias must load and stay fp32 (zero.Init casts buffers to the training dtype)
+    if info.rank == 0:
+        hpz = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+        hpz["zero_optimization"]["zero_hpz_partition_size"] = 2
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "zero3_hpz.json").write_text(json.dumps(hpz))
+    dist.barrier()
+    res = {}
+    for steps in (0, FT_STEPS):
+        # DeepSpeed creates the ZeRO++ group once per process and asserts on a second zero.Init
+        deepspeed_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        tr = trainer(
+            FINETUNE[name].format(out=out),
+            f"{out}/{name}/steps{steps}",
+            info,
+            extra=f"--max_steps {steps}",
+            hf=folder,
+        )
+        tr.run()
+        res[steps] = {
+            "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
+            "load": tr.load_stats,
+            "held_bytes": held_bytes(tr.model),
+        }
+    return res
+
+
+def finetune_bf16(info, out: str, folder: str) -> dict:  # noqa: ANN001
+    """A pool scenario: ZeRO-3 in bf16 on the HF folder: the expert bias must load and stay fp32 (zero.Init casts
+    buffers to the training dtype) -> this rank's biases (dtype, values) as loaded and after 2 steps."""
     tr = trainer("--config zero3", f"{out}/z3_bf16", info, extra="--max_steps 2 --precision bf16", hf=folder)
     loaded = [
         (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
@@ -320,19 +326,4 @@ def finetune_main(out: str, folder: str, layouts: list[str]) -> None:
     trained = [
         (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
     ]
-    Path(f"{out}/z3_bf16_rank{info.rank}.json").write_text(json.dumps({"loaded": loaded, "trained": trained}))
-
-
-if __name__ == "__main__":
-    from dstrain import dist
-
-    try:
-        if sys.argv[2] == "--hf":
-            finetune_main(sys.argv[1], sys.argv[3], sys.argv[4:])
-        elif sys.argv[2] == "--from":
-            reshard_main(sys.argv[1], sys.argv[3], sys.argv[4:])
-        else:
-            main(sys.argv[1], sys.argv[2:])
-    finally:
-        dist.shutdown()
-    dist.finish()
+    return {"loaded": loaded, "trained": trained}

@@ -5,24 +5,20 @@ reorders elementwise work, so compiled runs match to rounding, not bit for bit."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.helpers.ranks import launch
-from tests.helpers.tiny import tiny_config
-from tests.helpers.trainer import make_options, reference_run
+from tests.helpers.pool import ScenarioResults
+from tests.helpers.trainer import cached_reference
 
 pytestmark = pytest.mark.multirank
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compile")
-    proc = launch(["-m", "tests.training.worker", "compile", str(out)], timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "result_compile_rank0.json").read_text())
+def runs(tmp_path_factory, rank_pools):
+    """runs[name]: the worker's compiled (or eager) run on 2 ranks, in the pool when first asked for."""
+    out = str(tmp_path_factory.mktemp("compile"))
+    return ScenarioResults(rank_pools, 2, "tests.training.worker:compiled", out, timeout=900)
 
 
 def _max_rel(got: list[dict], want: list[dict]) -> float:
@@ -40,8 +36,7 @@ def test_compiled_matches_eager_over_20_steps(runs):
     ("name", "rows"), [("compiled_z3", 4), ("compiled_pp2", 2), ("compiled_tp2", 2), ("compiled_ep2", 4)]
 )
 def test_compiled_layouts_match_one_process(runs, name, rows):
-    opts = make_options(["--micro_batch_size", "2", "--max_steps", "4", "--clip_grad", "0.5"])
-    ref = reference_run(tiny_config(), opts, steps=4, global_batch=rows)
+    ref = cached_reference(["--micro_batch_size", "2", "--max_steps", "4", "--clip_grad", "0.5"], 4, rows)
     dev = _max_rel(runs[name], ref)
     print(f"{name} vs one process: max rel {dev:.1e}")
     assert dev <= TOLERANCE

@@ -4,8 +4,6 @@ process, and 2-rank ZeRO-3), and lora.json in the checkpoint."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,6 @@ import torch
 from dstrain.model import build_model
 from dstrain.model.lora import EXPERT_ADAPTERS
 from dstrain.training.finetune import apply_finetune_options
-from tests.helpers.ranks import launch
 from tests.helpers.runs import read_weights
 from tests.helpers.tiny import tiny_config
 from tests.helpers.trainer import make_options
@@ -78,47 +75,12 @@ def test_lora_training_changes_only_adapters(trained):
 
 
 @pytest.mark.multirank
-def test_zero3_lora_two_ranks(tmp_path):
-    proc = launch(["-m", "tests.training.test_lora", "zero3", str(tmp_path)], timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [json.loads((tmp_path / f"zero3_rank{r}.json").read_text()) for r in range(2)]
+def test_zero3_lora_two_ranks(tmp_path, rank_pools):
+    res = rank_pools.run(2, "tests.training.worker:zero3_lora", str(tmp_path))
     assert res[0]["changed"] == res[0]["adapters"] and res[0]["changed"]
     assert res[0]["changed"] == res[1]["changed"] and res[0]["losses"] == res[1]["losses"]
     assert all(x is not None for x in res[0]["losses"]) and res[0]["losses"][-1] < res[0]["losses"][0]
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
-
-
-def zero3_worker(out: str) -> None:
-    import deepspeed
-
-    from dstrain import dist
-    from tests.helpers.trainer import GlobalRows, make_trainer
-
-    info = dist.init_distributed()
-    args = "--config zero3 --micro_batch_size 2 --max_steps 4 --save_every 0 --lr 1e-2 --lora_r 4"
-    opts = make_options([*args.split(), "--no-train_router", "--no-train_mtp"])
-    # one repeated token: the adapters alone must lower the loss within 4 steps whatever the initial values
-    loader = GlobalRows(2, 1, info.rank, info.world_size, same_token=7)
-    tr = make_trainer(opts, f"{out}/run", info, loader=loader)
-    params = dict(tr.model.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        start = {n: p.detach().clone() for n, p in params.items()}
-    tr.run()
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        changed = sorted(n for n, p in params.items() if not torch.equal(p.detach(), start[n]))
-    adapters = sorted(n for n, p in params.items() if p.requires_grad)
-    res = {"changed": changed, "adapters": adapters, "losses": [r["loss"] for r in tr.history]}
-    Path(out, f"zero3_rank{info.rank}.json").write_text(json.dumps(res))
-
-
-if __name__ == "__main__":
-    from dstrain import dist
-
-    try:
-        zero3_worker(sys.argv[2])
-    finally:
-        dist.shutdown()
-    dist.finish()
 
 
 def test_expert_lora_rank_off_the_grouped_kernel_is_noted():

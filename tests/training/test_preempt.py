@@ -4,7 +4,8 @@ worker SIGKILLed on top) or --time_limit stops every rank after the same step wi
 exit code 75, and the run resumed from it logs the uninterrupted run's losses bit for bit. Ranks start the way
 launch/slurm.sbatch's srun starts them (one process each, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), so each
 rank's own exit code is seen. (Not torchrun: it starts each rank in a session of its own, exits 1 on SIGTERM
-whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.)"""
+whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.) The straight run
+and the resumed ones, which take no signal, run the command's training in the session's pool of ranks."""
 
 from __future__ import annotations
 
@@ -68,16 +69,25 @@ def _losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _resume(pools, out, extra: list[str]) -> None:
+    """The run in `out` continued with --resume auto to its end, on the pool's 2 ranks."""
+    codes = pools.run(
+        2, "tests.training.worker:cli_run", [*ARGS, "--output_dir", str(out), *extra, "--resume", "auto"]
+    )
+    assert codes == [0, 0]
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> list[float]:
+def straight(tmp_path_factory, rank_pools) -> list[float]:
     """The uninterrupted 10 steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
     out = tmp_path_factory.mktemp("straight")
-    codes, text = _finish(_start(out, ["--max_steps", "10"]))
-    assert codes == [0, 0], text[-3000:]
+    assert rank_pools.run(
+        2, "tests.training.worker:cli_run", [*ARGS, "--output_dir", str(out), "--max_steps", "10"]
+    ) == [0, 0]
     return _losses(out)
 
 
-def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(straight, tmp_path):
+def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(straight, rank_pools, tmp_path):
     run = tmp_path / "run"
     procs = _start(run, ["--max_steps", "10"])
     when = random.Random(os.getpid()).randint(2, 6)
@@ -98,8 +108,7 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(stra
     step = int(stopped.split("_")[1])
     assert when <= step < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
-    codes, text = _finish(_start(run, ["--max_steps", "10", "--resume", "auto"]))
-    assert codes == [0, 0], text[-3000:]
+    _resume(rank_pools, run, ["--max_steps", "10"])
     assert _losses(run) == straight
 
 
@@ -131,7 +140,7 @@ def _workers_of(pid: int) -> list[int]:
 # SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone
 @pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True)])
 def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
-    sig, kill_worker, straight, tmp_path
+    sig, kill_worker, straight, rank_pools, tmp_path
 ):
     """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
     included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
@@ -158,6 +167,5 @@ def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
     stopped = (run / "checkpoints" / "latest").read_text().strip()
     assert 3 <= int(stopped.split("_")[1]) < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
-    codes, text = _finish(_start(run, [*flags, "--resume", "auto"]))
-    assert codes == [0, 0], text[-3000:]
+    _resume(rank_pools, run, flags)
     assert _losses(run) == straight  # with a worker per rank: the same rows

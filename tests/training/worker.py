@@ -1,121 +1,137 @@
-"""The multi-rank trainer worker: `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker
-MODE OUT` (run from the repository root). MODE main: ZeRO 1/2/3 runs with resumes, GA splits, uneven
-routing, bf16 and the NaN policies; MODE kill: a run continued with --resume auto (after a killed save);
-MODE compile: --compile in each layout; MODE templates: other projects' DeepSpeed files."""
+"""Multi-rank trainer scenarios for tests/training/ and tests/config/, run in the test session's pool of ranks
+(tests/helpers/pool.py): ZeRO 1/2/3 with resumes, evaluation, GA splits, idle experts, bf16, the NaN policies,
+--compile in each layout, other projects' DeepSpeed files, LoRA under ZeRO-3, and the run continued after a
+killed save. `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker kill OUT` is the run
+whose rank 1 kills itself during a save (DSTRAIN_TEST_KILL_DURING_SAVE): it needs processes of its own."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.helpers.tiny import ROOT, tiny_config
+from tests.helpers.tiny import ROOT
 from tests.helpers.trainer import GlobalRows, eval_rows, make_options, make_trainer
 
 # What makes two DeepSpeed files of other projects the same kind of run (one step runs per kind)
 TEMPLATE_KIND = ("stage", "offload", "precision", "dims", "lr_schedule")
+COMMON = "--micro_batch_size 2 --max_steps 6 --clip_grad 0.5 --save_every 3 --keep_last 0 --precision fp32"
 
 
-def _losses(tr) -> list[float | None]:
+def _losses(tr) -> list[float | None]:  # noqa: ANN001
     return [r["loss"] for r in tr.history]
 
 
-def worker(mode: str, out: str) -> None:
-    from dstrain import dist
+def _opts(args: str):  # noqa: ANN202
+    return make_options(args.split())
 
-    info = dist.init_distributed()
-    res: dict[str, Any] = {}
-    common = (
-        "--micro_batch_size 2 --max_steps 6 --clip_grad 0.5 --save_every 3 --keep_last 0 --precision fp32"
+
+def zero_runs(info, out: str, stage: int) -> dict[str, Any]:  # noqa: ANN001
+    """ZeRO-`stage` 6 steps straight (saving at 3 and 6), resumed from step 3 into a fresh folder, and resumed
+    twice (3 -> 4, saved as if interrupted, then --resume auto -> 6) -> this rank's histories and expert bias."""
+    base, args = f"{out}/z{stage}", f"--config zero{stage} {COMMON}"
+    tr = make_trainer(_opts(args), f"{base}/straight", info)
+    tr.run()
+    res: dict[str, Any] = {
+        "straight": tr.history,
+        "bias": [r.e_score_correction_bias.tolist() for r in tr.model.routers()],
+    }
+    step3 = f"{base}/straight/checkpoints/step_00000003"
+    tr = make_trainer(_opts(args), f"{base}/resumed", info, resume=step3)
+    tr.run()
+    res["resumed"] = _losses(tr)
+    tr = make_trainer(_opts(args), f"{base}/twice", info, resume=step3)
+    tr.run(until=4)
+    first = _losses(tr)
+    tr = make_trainer(_opts(f"{args} --resume auto"), f"{base}/twice", info)
+    tr.run()
+    res["twice"] = first + _losses(tr)
+    return res
+
+
+def evaluated_every_step(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """ZeRO-3 evaluating after every step: its losses and bias, whether an evaluation left the expert bias and
+    the step's loads alone, and whether evaluating again gives the same figures."""
+    tr = make_trainer(
+        _opts(f"--config zero3 {COMMON} --eval_split 0.5 --eval_every 1"),
+        f"{out}/z3_eval",
+        info,
+        eval_rows=eval_rows(),
     )
+    tr.run()
+    bias = [r.e_score_correction_bias.clone() for r in tr.model.routers()]
+    load = tr.step_load.clone()
+    again = tr.evaluate()
+    untouched = all(torch.equal(a, r.e_score_correction_bias) for a, r in zip(bias, tr.model.routers()))
+    return {
+        "losses": _losses(tr),
+        "bias": [b.tolist() for b in bias],
+        "evals": [e["step"] for e in tr.eval_history[:-1]],
+        "repeat_equal": {k: v for k, v in again.items() if k != "eval_time_s"}
+        == {k: v for k, v in tr.eval_history[-2].items() if k != "eval_time_s"},
+        "untouched": untouched and torch.equal(load, tr.step_load),
+    }
 
-    def opts_for(args: str):
-        return make_options(args.split())
 
-    if mode == "main":
-        for stage in (1, 2, 3):
-            base, args = f"{out}/z{stage}", f"--config zero{stage} {common}"
-            tr = make_trainer(opts_for(args), f"{base}/straight", info)
-            tr.run()
-            res[f"z{stage}_straight"] = tr.history
-            res[f"z{stage}_bias"] = [r.e_score_correction_bias.tolist() for r in tr.model.routers()]
-            step3 = f"{base}/straight/checkpoints/step_00000003"
-            # N + resume + N, from the straight run's step-3 checkpoint into a fresh folder
-            tr = make_trainer(opts_for(args), f"{base}/resumed", info, resume=step3)
-            tr.run()
-            res[f"z{stage}_resumed"] = _losses(tr)
-            # resumed twice: 3 -> 4 (saved, as if interrupted) -> 6
-            tr = make_trainer(opts_for(args), f"{base}/twice", info, resume=step3)
-            tr.run(until=4)
-            first = _losses(tr)
-            tr = make_trainer(opts_for(f"{args} --resume auto"), f"{base}/twice", info)
-            tr.run()
-            res[f"z{stage}_twice"] = first + _losses(tr)
-        # ZeRO-3 evaluating after every step trains exactly as without: eval leaves the expert bias, the
-        # step's loads and every RNG alone
-        args = f"--config zero3 {common} --eval_split 0.5 --eval_every 1"
-        tr = make_trainer(opts_for(args), f"{out}/z3_eval", info, eval_rows=eval_rows())
+def ga_split(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """GA=2 x micro 2 and GA=1 x micro 4 (global batch 8 over 2 ranks), ZeRO-2, 2 steps each."""
+    res = {}
+    for name, mb, ga in (("ga2", 2, 2), ("ga1", 4, 1)):
+        args = f"--config zero2 --micro_batch_size {mb} --gradient_accumulation_steps {ga} --max_steps 2"
+        tr = make_trainer(_opts(f"{args} --clip_grad 0.5 --save_every 0"), f"{out}/{name}", info)
         tr.run()
-        bias = [r.e_score_correction_bias.clone() for r in tr.model.routers()]
-        load = tr.step_load.clone()
-        again = tr.evaluate()
-        untouched = all(torch.equal(a, r.e_score_correction_bias) for a, r in zip(bias, tr.model.routers()))
-        res["z3_eval"] = {
-            "losses": _losses(tr),
-            "bias": [b.tolist() for b in bias],
-            "evals": [e["step"] for e in tr.eval_history[:-1]],
-            "repeat_equal": {k: v for k, v in again.items() if k != "eval_time_s"}
-            == {k: v for k, v in tr.eval_history[-2].items() if k != "eval_time_s"},
-            "untouched": untouched and torch.equal(load, tr.step_load),
-        }
-        # GA=2 x micro 2 vs GA=1 x micro 4 (global batch 8 over 2 ranks), ZeRO-2
-        for name, mb, ga in (("ga2", 2, 2), ("ga1", 4, 1)):
-            args = f"--config zero2 --micro_batch_size {mb} --gradient_accumulation_steps {ga} --max_steps 2"
-            tr = make_trainer(opts_for(f"{args} --clip_grad 0.5 --save_every 0"), f"{out}/{name}", info)
-            tr.run()
-            res[name] = tr.history
-        # ZeRO-3, rank 1 routes every token identically (most experts get nothing there): must not hang
-        same = 7 if info.rank == 1 else None
-        loader = GlobalRows(2, 1, info.rank, info.world_size, same_token=same)
-        args = "--config zero3 --max_steps 2 --micro_batch_size 2 --save_every 0"
-        tr = make_trainer(opts_for(args), f"{out}/z3skip", info, loader=loader)
-        tr.run()
-        probe = GlobalRows(2, 1, info.rank, info.world_size, same_token=same)
-        with torch.no_grad():
-            load = tr.engine(**next(probe)).expert_load
-        res[f"z3skip_zero_experts_rank{info.rank}"] = int((load == 0).sum())
-        res["z3skip_losses"] = _losses(tr)
-        # bf16: trains, expert bias stays fp32 and identical on every rank
-        for stage in (2, 3):
-            args = f"--config zero{stage} --precision bf16 --max_steps 3 --micro_batch_size 2 --save_every 0"
-            tr = make_trainer(opts_for(args), f"{out}/bf16_z{stage}", info)
-            tr.run()
-            biases = [r.e_score_correction_bias for r in tr.model.routers()]
-            res[f"bf16_z{stage}"] = {
-                "losses": _losses(tr),
-                "bias_dtypes": sorted({str(b.dtype) for b in biases}),
-                "param_dtype": str(next(tr.model.parameters()).dtype),
-                f"bias_rank{info.rank}": [b.tolist() for b in biases],
-            }
-        # NaN: rank 1 alone sees a non-finite loss at step 2
-        import dstrain.training.objective as objective_mod
+        res[name] = tr.history
+    return res
 
-        real = objective_mod.micro_loss
-        state = {"tr": None}
 
-        def poisoned(out_, n, scale, w):
-            loss = real(out_, n, scale, w)
-            if state["tr"].step == 1 and info.rank == 1:
-                loss = loss * float("nan")
-            return loss
+def idle_experts(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """ZeRO-3 where rank 1 routes every token identically (most experts get nothing there): must not hang."""
+    same = 7 if info.rank == 1 else None
+    loader = GlobalRows(2, 1, info.rank, info.world_size, same_token=same)
+    args = "--config zero3 --max_steps 2 --micro_batch_size 2 --save_every 0"
+    tr = make_trainer(_opts(args), f"{out}/z3skip", info, loader=loader)
+    tr.run()
+    probe = GlobalRows(2, 1, info.rank, info.world_size, same_token=same)
+    with torch.no_grad():
+        load = tr.engine(**next(probe)).expert_load
+    return {"zero_experts": int((load == 0).sum()), "losses": _losses(tr)}
 
-        objective_mod.micro_loss = poisoned
+
+def bf16_run(info, out: str, stage: int) -> dict[str, Any]:  # noqa: ANN001
+    """bf16 under ZeRO-`stage`, 3 steps: losses, the dtypes, this rank's expert bias."""
+    args = f"--config zero{stage} --precision bf16 --max_steps 3 --micro_batch_size 2 --save_every 0"
+    tr = make_trainer(_opts(args), f"{out}/bf16_z{stage}", info)
+    tr.run()
+    biases = [r.e_score_correction_bias for r in tr.model.routers()]
+    return {
+        "losses": _losses(tr),
+        "bias_dtypes": sorted({str(b.dtype) for b in biases}),
+        "param_dtype": str(next(tr.model.parameters()).dtype),
+        "bias": [b.tolist() for b in biases],
+    }
+
+
+def nan_policies(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """Rank 1 alone sees a non-finite loss at step 2, under --nan_policy stop and skip."""
+    import dstrain.training.objective as objective_mod
+
+    real = objective_mod.micro_loss
+    state = {"tr": None}
+
+    def poisoned(out_, n, scale, w):  # noqa: ANN001, ANN202
+        loss = real(out_, n, scale, w)
+        if state["tr"].step == 1 and info.rank == 1:
+            loss = loss * float("nan")
+        return loss
+
+    res = {}
+    objective_mod.micro_loss = poisoned
+    try:
         for policy in ("stop", "skip"):
             args = f"--config zero1 --max_steps 3 --micro_batch_size 2 --save_every 0 --nan_policy {policy}"
-            tr = make_trainer(opts_for(args), f"{out}/nan_{policy}", info)
+            tr = make_trainer(_opts(args), f"{out}/nan_{policy}", info)
             state["tr"] = tr
             history, sums, error = [], [], None
             try:
@@ -124,74 +140,114 @@ def worker(mode: str, out: str) -> None:
                     sums.append(float(sum(p.double().sum() for p in tr.model.parameters())))
             except Exception as exc:  # noqa: BLE001 - recorded for the test to assert on
                 error = f"{type(exc).__name__}: {exc}"
-            res[f"nan_{policy}"] = {"history": history, "param_sums": sums, "error": error}
+            res[policy] = {"history": history, "param_sums": sums, "error": error}
+    finally:
         objective_mod.micro_loss = real
-    elif mode == "compile":
-        # --compile in each layout: 20 steps against the same run eager (ZeRO-2, with activation
-        # checkpointing), 4 steps elsewhere (against the one-process reference, in the test)
-        runs = {
-            "eager_z2": "--config zero2 --max_steps 20",
-            "compiled_z2": "--config zero2 --max_steps 20 --compile --activation_checkpointing",
-            "compiled_z3": "--config zero3 --max_steps 4 --compile",
-            "compiled_pp2": "--config zero1 --pp 2 --max_steps 4 --compile --activation_checkpointing mlp",
-            "compiled_tp2": "--config zero1 --tp 2 --max_steps 4 --compile --activation_checkpointing attention",
-            "compiled_ep2": "--config zero2 --ep 2 --max_steps 4 --compile --activation_checkpointing mlp",
+    return res
+
+
+# --compile in each layout: 20 steps against the same run eager (ZeRO-2, with activation checkpointing), 4 steps
+# elsewhere (against the one-process reference, in the test)
+COMPILED = {
+    "eager_z2": "--config zero2 --max_steps 20",
+    "compiled_z2": "--config zero2 --max_steps 20 --compile --activation_checkpointing",
+    "compiled_z3": "--config zero3 --max_steps 4 --compile",
+    "compiled_pp2": "--config zero1 --pp 2 --max_steps 4 --compile --activation_checkpointing mlp",
+    "compiled_tp2": "--config zero1 --tp 2 --max_steps 4 --compile --activation_checkpointing attention",
+    "compiled_ep2": "--config zero2 --ep 2 --max_steps 4 --compile --activation_checkpointing mlp",
+}
+
+
+def compiled(info, out: str, name: str) -> list[dict[str, float]]:  # noqa: ANN001
+    args = f"{COMPILED[name]} --micro_batch_size 2 --save_every 0 --clip_grad 0.5 --precision fp32"
+    tr = make_trainer(_opts(args), f"{out}/{name}", info)
+    tr.run()
+    return [{"loss": r["loss"], "grad_norm": r["grad_norm"]} for r in tr.history]
+
+
+def templates(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """Other projects' DeepSpeed files as users bring them (tests/config/ds_templates): each resolved (and read by
+    DeepSpeed's config parser), or a one-line refusal; 1 step on the defaults for the first file of each kind of
+    run (stage, offload, precision, layout, schedule): the others resolve to the same."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from dstrain.config.plan import prepare
+    from dstrain.errors import ConfigError
+    from tests.helpers.tiny import tiny_config
+
+    res: dict[str, Any] = {}
+    kinds: set[tuple] = set()
+    for path in sorted(Path(ROOT, "tests", "config", "ds_templates").glob("*.json")):
+        opts = _opts(f"--config {path} --max_steps 1 --save_every 0")
+        try:
+            plan = prepare(opts, info.world_size, model=tiny_config())
+        except ConfigError as exc:
+            res[path.stem] = {"refused": str(exc)}
+            continue
+        got = {
+            "loss": None,
+            "stage": plan.stage,
+            "dims": plan.dims.describe(),
+            "offload": plan.offload,
+            "precision": plan.precision,
+            "train_batch_size": plan.ds["train_batch_size"],
+            "lr_schedule": plan.opts.schedule.lr_schedule,
         }
-        for name, flags in runs.items():
-            args = f"{flags} --micro_batch_size 2 --save_every 0 --clip_grad 0.5 --precision fp32"
-            tr = make_trainer(opts_for(args), f"{out}/{name}", info)
+        kind = tuple(got[k] for k in TEMPLATE_KIND)
+        if kind not in kinds:
+            kinds.add(kind)
+            tr = make_trainer(opts, f"{out}/{path.stem}", info)
             tr.run()
-            res[name] = [{"loss": r["loss"], "grad_norm": r["grad_norm"]} for r in tr.history]
-    elif mode == "templates":
-        # Other projects' DeepSpeed files as users bring them (tests/config/ds_templates): each resolved (and
-        # read by DeepSpeed's config parser), or a one-line refusal; 1 step on the defaults for the first file
-        # of each kind of run (stage, offload, precision, layout, schedule): the others resolve to the same
-        from deepspeed.runtime.config import DeepSpeedConfig
-
-        from dstrain.config.plan import prepare
-        from dstrain.errors import ConfigError
-
-        kinds: set[tuple] = set()
-        for path in sorted(Path(ROOT, "tests", "config", "ds_templates").glob("*.json")):
-            opts = opts_for(f"--config {path} --max_steps 1 --save_every 0")
-            try:
-                plan = prepare(opts, info.world_size, model=tiny_config())
-            except ConfigError as exc:
-                res[path.stem] = {"refused": str(exc)}
-                continue
-            got = {
-                "loss": None,
-                "stage": plan.stage,
-                "dims": plan.dims.describe(),
-                "offload": plan.offload,
-                "precision": plan.precision,
-                "train_batch_size": plan.ds["train_batch_size"],
-                "lr_schedule": plan.opts.schedule.lr_schedule,
-            }
-            kind = tuple(got[k] for k in TEMPLATE_KIND)
-            if kind not in kinds:
-                kinds.add(kind)
-                tr = make_trainer(opts, f"{out}/{path.stem}", info)
-                tr.run()
-                got["loss"] = tr.history[-1]["loss"]
-            else:  # what deepspeed.initialize would parse first
-                DeepSpeedConfig(plan.ds)
-            res[path.stem] = got
-    elif mode == "kill":
-        tr = make_trainer(opts_for(f"--config zero1 {common} --resume auto"), f"{out}/killed", info)
-        res["start_step"] = tr.step
-        tr.run()
-        res["losses"] = _losses(tr)
-    if info.rank == 0 or mode == "main":
-        with open(f"{out}/result_{mode}_rank{info.rank}.json", "w") as f:
-            json.dump(res, f)
+            got["loss"] = tr.history[-1]["loss"]
+        else:  # what deepspeed.initialize would parse first
+            DeepSpeedConfig(plan.ds)
+        res[path.stem] = got
+    return res
 
 
-if __name__ == "__main__":
+def zero3_lora(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """LoRA under ZeRO-3, 4 steps on one repeated token (the adapters alone must lower the loss whatever their
+    initial values): which parameters changed, which train, the losses."""
+    import deepspeed
+
+    args = "--config zero3 --micro_batch_size 2 --max_steps 4 --save_every 0 --lr 1e-2 --lora_r 4"
+    opts = make_options([*args.split(), "--no-train_router", "--no-train_mtp"])
+    loader = GlobalRows(2, 1, info.rank, info.world_size, same_token=7)
+    tr = make_trainer(opts, f"{out}/run", info, loader=loader)
+    params = dict(tr.model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        start = {n: p.detach().clone() for n, p in params.items()}
+    tr.run()
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        changed = sorted(n for n, p in params.items() if not torch.equal(p.detach(), start[n]))
+    adapters = sorted(n for n, p in params.items() if p.requires_grad)
+    return {"changed": changed, "adapters": adapters, "losses": [r["loss"] for r in tr.history]}
+
+
+def cli_run(info, argv: list[str]) -> int:  # noqa: ANN001
+    """`dstrain train ARGV` on the pool's ranks (their process group already there): the command's run of its
+    resolved plan -> its exit code."""
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.training.cli import train
+
+    return train(prepare(parse_options(argv)))
+
+
+def killed_run(info, out: str) -> dict[str, Any]:  # noqa: ANN001
+    """ZeRO-1 with --resume auto into OUT/killed: where it started, its losses."""
+    tr = make_trainer(_opts(f"--config zero1 {COMMON} --resume auto"), f"{out}/killed", info)
+    start = tr.step
+    tr.run()
+    return {"start_step": start, "losses": _losses(tr)}
+
+
+if __name__ == "__main__":  # the killed run, in processes of its own
     from dstrain import dist
 
     try:
-        worker(sys.argv[1], sys.argv[2])
+        assert sys.argv[1] == "kill", sys.argv
+        killed_run(dist.init_distributed(), sys.argv[2])
     finally:
         dist.shutdown()
     dist.finish()

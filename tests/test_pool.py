@@ -1,0 +1,33 @@
+"""The pool of ranks the multi-rank tests run their scenarios in (tests/helpers/pool.py): a scenario that raises
+on one rank, and one that outlives its timeout, each fail alone with their own message, and the next scenario
+runs in a fresh pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.pool import ScenarioError
+
+pytestmark = pytest.mark.multirank
+PROBES = "tests.helpers.probes"
+
+
+def test_a_failing_scenario_fails_alone_and_the_next_one_passes(rank_pools):
+    assert rank_pools.run(2, f"{PROBES}:rank_sum", 10) == [21, 21]
+    pool = rank_pools.pools[2]
+    starts = pool.starts
+    with pytest.raises(ScenarioError) as info:
+        rank_pools.run(2, f"{PROBES}:raises_on", 1, "the scenario's own message")
+    text = str(info.value)
+    assert "rank 1 raised" in text and "ValueError: the scenario's own message" in text
+    # rank 0 waited for rank 1 in the all-reduce: it raised when rank 1 left, or was killed; not left hanging
+    assert "rank 0 raised" in text or "rank 0: no reply" in text
+    assert rank_pools.run(2, f"{PROBES}:rank_sum", 1) == [3, 3] and pool.starts == starts + 1
+
+    t0 = time.monotonic()
+    with pytest.raises(ScenarioError, match=r"rank 0: no reply after 2 s \(killed; the timeout: 2 s\)"):
+        rank_pools.run(2, f"{PROBES}:sleeps", 600, timeout=2)
+    assert time.monotonic() - t0 < 30
+    assert rank_pools.run(2, f"{PROBES}:rank_sum", 2) == [5, 5] and pool.starts == starts + 2
