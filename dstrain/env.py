@@ -46,8 +46,8 @@ def _deepspeed_ops() -> str:
 def report() -> tuple[list[str], str | None]:
     """(the lines to print, the reason a run cannot start or None)."""
     from dstrain.model import get_config, kernel_paths
-    from dstrain.model.attention import varlen_kernels
-    from dstrain.model.kernels import CPU_NATIVE_BF16
+    from dstrain.model.common.attention import varlen_kernels
+    from dstrain.model.common.kernels import CPU_NATIVE_BF16
 
     lines = [
         f"python {'.'.join(map(str, __import__('sys').version_info[:3]))}, torch {torch.__version__} "

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.memory.measure import AllocationTracker  # noqa: E402
 from dstrain.model import DeepSeekLM, ModelConfig  # noqa: E402
-from dstrain.model.attention import attention_layout  # noqa: E402
-from dstrain.model.init import init_weights  # noqa: E402
-from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.common.attention import attention_layout  # noqa: E402
+from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.sources import init_weights  # noqa: E402
 
 STAGES = ("dense MLA", "DSA dense stage", "DSA sparse stage")
 

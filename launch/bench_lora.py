@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dstrain.model import build_model  # noqa: E402
-from dstrain.model.lora import apply_lora  # noqa: E402
+from dstrain.model.common.lora import apply_lora  # noqa: E402
 from launch.bench_model import (  # noqa: E402
     CONFIGS,
     DTYPES,

@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.model import ModelConfig, build_model, flops_per_token, save_pretrained  # noqa: E402
-from dstrain.model.experts import grouped_mm_ok  # noqa: E402
-from dstrain.model.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.common.experts import grouped_mm_ok  # noqa: E402
+from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MALLOC = "glibc default"

@@ -24,8 +24,9 @@ moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_in
 (
   "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
     "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}" &&
-    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/test_attention.py \
-      tests/model/test_experts.py tests/model/test_parity.py tests/model/test_dsa.py tests/model/test_gpu_path.py \
+    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
+      tests/model/common/test_experts.py tests/model/deepseek_v3/test_parity.py tests/model/common/test_dsa.py \
+      tests/model/common/test_kernels.py \
       tests/parallel/test_layouts.py::test_bf16_layouts_with_overlapped_reductions
 ) >"$tmp/rest.log" 2>&1 &
 rest=$!

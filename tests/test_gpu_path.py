@@ -193,7 +193,7 @@ def test_env_says_why_cuda_does_not_start_where_a_gpu_is(build, message, monkeyp
 
 
 def test_smoke_trains_packed_rows_on_the_cuda_branch(monkeypatch, capsys):
-    import dstrain.model.kernels as kernels
+    import dstrain.model.common.kernels as kernels
     from dstrain.cli import main
 
     monkeypatch.setattr(kernels, "KERNEL_POLICY", "cuda")

@@ -1,7 +1,7 @@
 """`dstrain export CHECKPOINT --out DIR`: a training checkpoint -> a Hugging Face folder transformers loads.
 
 The weights stream from `weights.iter_weights` one full fp32 tensor at a time, whatever the training layout,
-and are written by `dstrain.model.hf.to_hf` in the official DeepSeek layout (per-expert keys, MTP layers as
+and are written by the family's `to_hf` (`dstrain.model.deepseek_v3.state_dict.to_hf` for V2/V3) in the official DeepSeek layout (per-expert keys, MTP layers as
 `model.layers.{n+k}` with their copies of the embedding and head, the expert bias in fp32), sharded with an
 index. LoRA adapters are merged into their base weights on the way (or written alone as a PEFT folder with
 --adapter_only). --verify loads the folder with transformers and compares its logits with dstrain's model
@@ -24,13 +24,12 @@ import torch
 
 from dstrain.cmdline import command_parser
 from dstrain.errors import CheckpointError, ConfigError, UserError
-from dstrain.model.config import ModelConfig
+from dstrain.model import ModelConfig, family_of
+from dstrain.model.build import hf_tensors, parse_dtype, write_config
+from dstrain.model.common.layers import EXPERT_BIAS, is_expert_bias
+from dstrain.model.common.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
-from dstrain.model.init import model_class
-from dstrain.model.loading import hf_tensors, parse_dtype, stays_fp32, tensors_beside, write_config
-from dstrain.model.lora import adapted_parts, is_lora_key, merge_parts
-from dstrain.model.model import EXPERT_BIAS, is_expert_bias
-from dstrain.model.v4_config import V4Config
+from dstrain.model.registry import model_class
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from .store import Checkpoint, open_checkpoint
@@ -94,7 +93,7 @@ def merge_stream(
         raise CheckpointError(f"incomplete LoRA module {module} in the checkpoint: only {sorted(got)}")
 
 
-def expected_hf_keys(cfg: ModelConfig | V4Config) -> set[str]:
+def expected_hf_keys(cfg: object) -> set[str]:
     """Every HF key a complete export of this config holds (from a meta-device model: no memory)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -199,11 +198,12 @@ def export(
             ) from None
 
     try:
-        with tensors_beside(cfg, source) as copied:  # a multimodal checkpoint's vision tower and projector
+        # a multimodal checkpoint's vision tower and projector, copied from the folder its text model came from
+        with family_of(cfg).copied_tensors(cfg, source) as copied:
             files = save_hf_tensors(tensors(), out, max_shard_bytes, copied)
     except UserError:
         raise
-    except ValueError as exc:  # the folder a multimodal checkpoint's text model came from (tensors_beside)
+    except ValueError as exc:  # that folder is not there
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from None
     missing = expected_hf_keys(cfg) - seen
     if missing:
@@ -216,11 +216,10 @@ def check_adapter_only(lora: dict[str, Any] | None, cfg: ModelConfig) -> None:
     """An adapter folder needs adapters; say what it carries beyond them (what vLLM then refuses)."""
     if not lora:
         raise ConfigError("--adapter_only: the checkpoint has no LoRA adapters (it was a full fine-tune)")
-    if isinstance(cfg, V4Config):
-        raise ConfigError(
-            "--adapter_only: DeepSeek-V4 adapters export merged only for now (no serving layout for its LoRA "
-            "adapters is built): drop --adapter_only"
-        )
+    try:
+        family_of(cfg).refuse("adapter_only", "--adapter_only")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.is_moe and (lora.get("train_router", True) or _bias_trained(lora, cfg)):
         log.warning(
             "--adapter_only: the routers changed in full (--train_router, or the expert bias with "
@@ -265,8 +264,8 @@ def verify(
     export rounds, so the check measures the layout, not the dtype's precision)."""
     from transformers import AutoModelForCausalLM
 
-    from dstrain.model.loading import build_model
-    from dstrain.model.lora import apply_lora, merge_lora
+    from dstrain.model import build_model
+    from dstrain.model.common.lora import apply_lora, merge_lora
 
     opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     ckpt, cfg, lora = opened.path, opened.config, opened.lora
@@ -286,7 +285,7 @@ def verify(
     if dtype != torch.float32:
         merge_lora(ref)
         for name, t in ref.state_dict(keep_vars=True).items():
-            if t.is_floating_point() and not stays_fp32(name):
+            if t.is_floating_point() and not family_of(cfg).keeps_fp32(name):
                 t.data.copy_(t.data.to(dtype).float())
     from transformers.utils import logging as hf_logging
 
@@ -314,11 +313,11 @@ def _text_model(cfg: ModelConfig, out: str | os.PathLike) -> Any:
     import transformers
 
     text = json.loads((Path(out) / "config.json").read_text())[cfg.wrapper.text_config]
-    del text["model_type"]  # e.g. kimi_k2, which transformers does not know: the family's class reads it
-    config = getattr(transformers, cfg.family.hf_config)(**text)
-    model_class = getattr(transformers, cfg.family.architecture)
+    del text["model_type"]  # e.g. kimi_k2, which transformers does not know: the variant's class reads it
+    config = getattr(transformers, cfg.variant.hf_config)(**text)
+    hf_class = getattr(transformers, cfg.variant.architecture)
     prefix = {f"^{re.escape(cfg.hf_prefix)}": ""}
-    return model_class.from_pretrained(str(out), config=config, dtype=torch.float32, key_mapping=prefix)
+    return hf_class.from_pretrained(str(out), config=config, dtype=torch.float32, key_mapping=prefix)
 
 
 # ------------------------------------------------------------------ CLI

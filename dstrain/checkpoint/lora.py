@@ -45,9 +45,9 @@ import torch
 from torch import nn
 
 from dstrain.atomic import write_json
-from dstrain.model.config import ModelConfig
-from dstrain.model.hf import dstrain_to_hf, to_hf
-from dstrain.model.lora import (
+from dstrain.model import DeepSeekLM, ModelConfig
+from dstrain.model.common.layers import EXPERT_BIAS
+from dstrain.model.common.lora import (
     EXPERT_ADAPTERS,
     EXPERT_PROJ,
     adapted_parts,
@@ -55,7 +55,7 @@ from dstrain.model.lora import (
     lora_state,
     merge_parts,
 )
-from dstrain.model.model import EXPERT_BIAS, DeepSeekLM
+from dstrain.model.deepseek_v3.state_dict import dstrain_to_hf, to_hf
 
 LORA_JSON = "lora.json"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dstrain.errors import CheckpointError
-from dstrain.model.init import local_tensors
+from dstrain.model.sources import local_tensors
 from dstrain.optim import ADAMW_STATE, MUON_STATE, state_keys
 
 from .weights import iter_weights, link_moments, local_slice, moments_dir, weights_index

@@ -36,7 +36,7 @@ from dstrain import dist
 from dstrain.atomic import write_atomic, write_json
 from dstrain.errors import CheckpointError
 from dstrain.model import ModelConfig
-from dstrain.model.presets import config_from_hf_dict
+from dstrain.model.registry import config_from_hf_dict
 from dstrain.parallel import ParallelDims
 
 from .lora import load_lora_settings, save_lora_settings

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from dstrain.model.init import local_tensors, shard_of
+from dstrain.model.sources import local_tensors, shard_of
 from dstrain.optim import state_keys
 
 WEIGHTS_DIR = "weights"

@@ -17,7 +17,7 @@ from typing import Any
 
 from dstrain import dist
 from dstrain.errors import ConfigError
-from dstrain.model import ModelConfig, V4Config, get_config
+from dstrain.model import ModelConfig, family_of, get_config
 from dstrain.parallel import ParallelDims
 
 from .ds_config import (
@@ -138,12 +138,9 @@ def prepare(
         raise ConfigError(f"--sp {dims.sp} must divide --seq_len {opts.data.seq_len}")
     if dims.sp > 1 and opts.model.compile:
         raise ConfigError(f"--sp {dims.sp} with --compile: not supported yet (run eager)")
-    mode, v4 = opts.model.activation_checkpointing, isinstance(cfg, V4Config)
-    if (mode == "mhc" and not v4) or (v4 and mode in ("attention", "mlp")):
-        raise ConfigError(
-            f"--activation_checkpointing {mode}: {cfg.model_type} takes "
-            + ("none, full or mhc" if v4 else "none, full, attention or mlp")
-        )
+    mode, modes = opts.model.activation_checkpointing, family_of(cfg).checkpointing
+    if mode not in modes:
+        raise ConfigError(f"--activation_checkpointing {mode}: {cfg.model_type} takes {', '.join(modes)}")
     folder = opts.model.model if os.path.isdir(opts.model.model) else None
     if folder is not None and model is None:
         check_model_folder(folder, cfg)
@@ -197,7 +194,7 @@ def _accumulation_from_train_batch(opts: Options, user: UserFile, dims: Parallel
 def check_model_folder(path: str, cfg: ModelConfig) -> None:
     """A folder that does not fit its own config.json is a one-line error here, before any process group or
     allocation (headers only: nothing is read)."""
-    from dstrain.model.loading import check_folder, open_folder
+    from dstrain.model.sources import check_folder, open_folder
 
     try:
         with open_folder(path, cfg) as reader:

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from dstrain.config.ds_config import offloaded
 from dstrain.model import ModelConfig
-from dstrain.model.dsa import SCORE_ELEMENTS
-from dstrain.model.experts import CPU_GROUP_ROWS
-from dstrain.model.kernels import CPU_NATIVE_BF16
-from dstrain.model.loss import CHUNK_ELEMENTS, CHUNK_ROWS
+from dstrain.model.common.dsa import SCORE_ELEMENTS
+from dstrain.model.common.experts import CPU_GROUP_ROWS
+from dstrain.model.common.kernels import CPU_NATIVE_BF16
+from dstrain.model.common.loss import CHUNK_ELEMENTS, CHUNK_ROWS
 from dstrain.parallel import ParallelDims
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from dstrain.config.ds_config import OFFLOADS, muon_refusal, offloaded
 from dstrain.config.options import Options, parse_options
 from dstrain.config.plan import RunPlan, prepare
 from dstrain.errors import ConfigError
-from dstrain.model import V4Config, get_config, param_counts
+from dstrain.model import family_of, get_config, param_counts
 from dstrain.parallel import ParallelDims
 
 from .estimate import CHECKPOINTING, GIB, Estimate, Workload, estimate
@@ -69,11 +69,10 @@ def gpu_plan(opts: Options, world: int) -> tuple[RunPlan, Workload]:
         except ValueError as exc:
             raise ConfigError(f"--model {opts.model.model}: {exc}") from None
     plan = prepare(opts, world, device_type="cuda", model=base)
-    if isinstance(plan.model, V4Config):
-        raise ConfigError(
-            f"dstrain plan: the memory estimate does not model DeepSeek-V4 ({opts.model.model}) yet: its "
-            "parameters are `dstrain.model.param_counts`; measure a short run for its activations"
-        )
+    try:
+        family_of(plan.model).refuse("memory_estimate", f"dstrain plan --model {opts.model.model}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return plan, Workload.of(plan)
 
 

@@ -11,8 +11,8 @@ import torch
 
 from dstrain.cmdline import command_parser
 
-from .loading import build_model
-from .model import kernel_paths
+from .build import build_model
+from .common.output import kernel_paths
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

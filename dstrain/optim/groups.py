@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dstrain.model.lora import is_lora_key
+from dstrain.model.common.lora import is_lora_key
 
 from . import ADAMW_STATE, MUON_STATE
 

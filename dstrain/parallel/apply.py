@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dstrain.model import DeepSeekLM
-from dstrain.model.loading import materialize
+from dstrain.model.build import materialize
 
 from .dims import Groups, ParallelDims
 from .ep import apply_expert_parallel, create_deepspeed_expert_groups

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain.model import ModelConfig, V4Config
+from dstrain.model import family_of
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,11 @@ class ParallelDims:
         ]
         return " x ".join(parts)
 
-    def validate(self, cfg: ModelConfig | V4Config, zero_stage: int, *, offload: bool = False) -> None:
-        """One-line ValueErrors for layouts this model or ZeRO stage cannot take."""
-        if isinstance(cfg, V4Config) and self.tp > 1:
-            raise ValueError(
-                f"--tp {self.tp}: DeepSeek-V4 trains with data, expert, pipeline and sequence parallelism; "
-                "tensor parallelism is not built for its attention and mHC yet"
-            )
+    def validate(self, cfg: Any, zero_stage: int, *, offload: bool = False) -> None:
+        """One-line ValueErrors for layouts this model (a config of any family) or ZeRO stage cannot take."""
+        family = family_of(cfg)
+        if self.tp > 1:
+            family.refuse("tp", f"--tp {self.tp}")
         if self.tp > 1:
             if cfg.num_attention_heads % self.tp:
                 raise ValueError(f"--tp {self.tp} must divide num_attention_heads {cfg.num_attention_heads}")
@@ -123,7 +121,7 @@ class ParallelDims:
             if self.pp > 1 or self.tp > 1:
                 raise ValueError(f"--sp {self.sp} with --pp/--tp: sequence parallelism combines with data "
                                  "and expert parallelism only")  # fmt: skip
-            if not isinstance(cfg, V4Config) and cfg.num_attention_heads % self.sp:  # V4 splits no heads
+            if family.splits_heads and cfg.num_attention_heads % self.sp:
                 raise ValueError(f"--sp {self.sp} must divide num_attention_heads {cfg.num_attention_heads}")
         if self.tp > 1 and zero_stage == 3:
             raise ValueError(f"--tp {self.tp} with ZeRO-3: tensor parallelism supports ZeRO stage 1-2")

@@ -15,10 +15,9 @@ import torch
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
 
-from dstrain.model.experts import Adapters, combine, group_by_expert, grouped_swiglu
-from dstrain.model.lora import EXPERT_ADAPTERS, LoRAExperts
-from dstrain.model.model import Experts, MoE
-from dstrain.model.v4 import V4MoE
+from dstrain.model.common.experts import Adapters, combine, group_by_expert, grouped_swiglu
+from dstrain.model.common.layers import Experts
+from dstrain.model.common.lora import EXPERT_ADAPTERS, LoRAExperts
 
 from .comm import all_to_all, exchange_counts
 from .dims import Groups
@@ -91,7 +90,7 @@ def apply_expert_parallel(model: nn.Module, g: Groups) -> None:
     if g.dims.ep == 1:
         return
     for module in list(model.modules()):
-        if isinstance(module, MoE | V4MoE):
+        if isinstance(getattr(module, "experts", None), Experts):  # an MoE layer of any family
             module.experts = ExpertParallelExperts(module.experts, g)
 
 

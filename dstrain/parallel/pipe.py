@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dstrain.model.loading import materialize
-from dstrain.model.model import DeepSeekLM, ModelOutput
+from dstrain.model import DeepSeekLM, ModelOutput
+from dstrain.model.build import materialize
 
 Objective = Callable[[ModelOutput, torch.Tensor], torch.Tensor]  # (output, global target counts) -> loss
 

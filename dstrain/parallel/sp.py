@@ -22,9 +22,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from dstrain.model.attention import AttentionLayout, attend
-from dstrain.model.model import MLA, DeepSeekLM, MoE
-from dstrain.model.v4 import DeepSeekV4LM, V4MoE
+from dstrain.model.common.attention import AttentionLayout, attend
 
 from .comm import all_to_all
 from .dims import Groups
@@ -112,11 +110,11 @@ class _GatherRowsSummed(torch.autograd.Function):
 
 
 def apply_sequence_parallel(model: nn.Module, g: Groups) -> None:
-    """Hook every MLA and MoE layer (and the model; DeepSeek-V4's model and MoE layers) to the group; a no-op
-    for sp 1."""
+    """Hook to the group every module that takes sequence parallelism (its class declares `seq_parallel`: the
+    models, their attention and MoE layers, whatever the family); a no-op for sp 1."""
     if g.dims.sp == 1:
         return
     hook = SequenceParallel(g.sp, g.dims.sp, g.dp_rank % g.dims.sp)
     for m in model.modules():
-        if isinstance(m, (MLA, MoE, DeepSeekLM, V4MoE, DeepSeekV4LM)):
+        if hasattr(type(m), "seq_parallel"):
             m.seq_parallel = hook

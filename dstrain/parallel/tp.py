@@ -26,9 +26,10 @@ import functools
 import torch
 from torch import nn
 
-from dstrain.model.kernels import Linear, linear
-from dstrain.model.lora import LoRALinear
-from dstrain.model.model import MLA, MLP
+from dstrain.model.common.kernels import Linear, linear
+from dstrain.model.common.layers import MLP
+from dstrain.model.common.lora import LoRALinear
+from dstrain.model.deepseek_v3.attention import MLA
 
 from .comm import copy_to_group, reduce_from_group, reduce_sum, sync_grad_tail
 from .dims import Groups

@@ -8,13 +8,13 @@ folder so that no rank holds more of it than it trains.
   keeps gets memory; each rank reads its stages' layers and its TP/EP slices.
 - ZeRO-0/1/2 data parallel keeps the whole model on every rank by design; the model is read once per rank.
 
-A fresh model takes the same paths, with `FreshWeights` (dstrain.model.init) in place of the folder: each
-tensor's values come from a generator of its own, so every layout starts from one process's values.
+Every path reads one source, `dstrain.model.sources.Weights`: the folder's tensors where it has them, fresh
+values where it lacks them or for a fresh model (each tensor from a generator of its own, so every layout
+starts from one process's values).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from dstrain.config.plan import RunPlan
-from dstrain.model import DeepSeekLM, ModelConfig
-from dstrain.model.init import FreshWeights, init_weights, local_tensors, model_class
-from dstrain.model.loading import check_folder, fill_from_hf, materialize, open_folder, warn_fresh_mtp
-from dstrain.model.lora import init_adapters
-from dstrain.model.reader import HFReader
+from dstrain.model import DeepSeekLM
+from dstrain.model.build import materialize
+from dstrain.model.common.lora import init_adapters
+from dstrain.model.registry import model_class
+from dstrain.model.sources import Weights, fill, local_tensors
 from dstrain.parallel.pipe import Objective
 
 from .finetune import apply_finetune_options
@@ -56,13 +56,10 @@ def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective
 
 
 def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
-    cfg, seed, folder = plan.model, plan.opts.run.seed, plan.model_folder
-    reader = open_folder(folder, cfg) if folder is not None else None
-    with PeakRSS() as peak, contextlib.ExitStack() as stack:
-        if reader is not None:
-            stack.enter_context(reader)
+    cfg, seed = plan.model, plan.opts.run.seed
+    with PeakRSS() as peak, Weights(cfg, seed, device, folder=plan.model_folder) as weights:
         if plan.stage == 3:  # partitioned from the start: no rank holds it whole
-            model, fresh = _zero3(cfg, reader, plan.ds, seed, device)
+            model = _zero3(cfg, weights, plan.ds)
         else:
             with torch.device("meta"):  # this rank's tensors get memory once parallelised
                 model = model_class(cfg)(cfg)
@@ -72,11 +69,9 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
         if plan.stage != 3:
             if not plan.dims.model_parallel:
                 materialize(model, device)
-            fresh = fill_from_hf(model, reader, seed) if reader is not None else init_weights(model, seed)
+            fill(model, weights)
             init_adapters(model, seed)
-    built.load = {"bytes_drawn": fresh.bytes_drawn, "peak_rss_growth": peak.growth}
-    if reader is not None:
-        built.load |= {"bytes_read": reader.bytes_read, "checkpoint_bytes": reader.total_bytes}
+    built.load = {**weights.stats, "peak_rss_growth": peak.growth}
     return built
 
 
@@ -102,12 +97,9 @@ def _parallel(
 
 
 @torch.no_grad()
-def _zero3(
-    cfg: ModelConfig, reader: HFReader | None, ds: dict[str, Any], seed: int, device: torch.device
-) -> tuple[DeepSeekLM, FreshWeights]:
+def _zero3(cfg: Any, weights: Weights, ds: dict[str, Any]) -> DeepSeekLM:
     """Built under DeepSpeed's partitioned init; then each rank copies in its own flat partition of every
-    tensor, reading only the rows that partition covers, from the folder or (what the folder lacks, everything
-    for a fresh model) from the fresh values."""
+    tensor from `weights`, reading only the rows that partition covers."""
     import deepspeed
     import torch.distributed as tdist
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
@@ -116,12 +108,9 @@ def _zero3(
 
     with deepspeed.zero.Init(config_dict_or_path=ds):  # its dtype argument picks bf16 on CPU (0.19.8)
         model = model_class(cfg)(cfg)
-    missing = check_folder(reader, cfg) if reader is not None else None
-    fresh = FreshWeights(cfg, seed, device)
     for name, t in local_tensors(model):
-        source = fresh if reader is None or name in missing else reader
         if not hasattr(t, "ds_id"):  # the expert bias: a buffer, replicated
-            t.copy_(source.read(name))
+            t.copy_(weights.read(name))
             continue
         part = t.ds_tensor
         if (
@@ -131,13 +120,11 @@ def _zero3(
             # hierarchical partitions or NVMe offload: let DeepSpeed spread one rank's whole copy
             with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
                 if tdist.get_rank() == 0:
-                    t.data.copy_(source.read(name))
+                    t.data.copy_(weights.read(name))
             continue
         start = tdist.get_rank(group=t.ds_process_group) * part.numel()
-        part.data.copy_(source.read_flat(name, start, start + part.numel()))
-    if reader is not None:
-        warn_fresh_mtp(reader.path, cfg, missing)
-    return model, fresh
+        part.data.copy_(weights.read_flat(name, start, start + part.numel()))
+    return model
 
 
 class PeakRSS:

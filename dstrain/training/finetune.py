@@ -1,13 +1,13 @@
 """What trains in a fine-tune: LoRA adapters on the chosen linears (the module transform is
-`dstrain.model.lora`), and the router weights and MTP modules trainable or frozen explicitly."""
+`dstrain.model.common.lora`), and the router weights and MTP modules trainable or frozen explicitly."""
 
 from __future__ import annotations
 
 from dstrain.config.options import LoRAOptions
 from dstrain.errors import ConfigError
 from dstrain.model import DeepSeekLM
-from dstrain.model.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
-from dstrain.model.model import Router
+from dstrain.model.common.layers import Router
+from dstrain.model.common.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
 
 
 def apply_finetune_options(

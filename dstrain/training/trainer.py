@@ -23,7 +23,7 @@ from dstrain.config.plan import RunPlan
 from dstrain.dist import DistInfo
 from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses
-from dstrain.model.init import model_class
+from dstrain.model.registry import model_class
 
 from . import objective, optimizer, watchdog
 from .build import build_for_training

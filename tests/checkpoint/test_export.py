@@ -15,14 +15,14 @@ from dstrain.checkpoint.lora import save_lora_settings
 from dstrain.checkpoint.weights import save_weights
 from dstrain.cli import main as dstrain_main
 from dstrain.model import from_pretrained
-from dstrain.model.hf import SAFE_INDEX
-from dstrain.model.lora import lora_modules, merge_lora
+from dstrain.model.common.lora import lora_modules, merge_lora
+from dstrain.model.hf.files import SAFE_INDEX
 from dstrain.training.finetune import apply_finetune_options
 from tests.helpers.hf import make_hf_model, read_folder, v2_config, v3_config
 from tests.helpers.runs import read_weights, train
 from tests.helpers.tiny import byte_tokenizer
 from tests.helpers.trainer import make_options
-from tests.model.test_lora import expected_default, randomize_adapters
+from tests.model.common.test_lora import expected_default, randomize_adapters
 
 
 def test_round_trip_is_bit_identical(trained, tmp_path, capsys):
@@ -204,7 +204,7 @@ def test_export_carries_the_code_files_a_config_auto_map_names():
     files: the export copies the ones its auto_map names, beside the tokenizer files."""
     from dstrain.checkpoint.export import _remote_code
     from dstrain.model import ModelConfig
-    from tests.model.test_config_files import KIMI_K2
+    from tests.model.deepseek_v3.test_config import KIMI_K2
 
     auto_map = {
         "AutoConfig": "configuration_deepseek.DeepseekV3Config",

@@ -21,10 +21,10 @@ from dstrain.checkpoint.lora import (
     write_peft_adapter,
 )
 from dstrain.model import build_model, from_pretrained
-from dstrain.model.lora import apply_lora, lora_state, merge_lora, merged_weight
+from dstrain.model.common.lora import apply_lora, lora_state, merge_lora, merged_weight
 from tests.helpers.hf import make_hf_model, v2_config, v3_config
 from tests.helpers.tiny import tiny_config
-from tests.model.test_lora import randomize_adapters
+from tests.model.common.test_lora import randomize_adapters
 
 ATTN_TARGETS = "q_b_proj,kv_b_proj,o_proj"
 # every kind dstrain adapts: attention, dense MLP and shared-expert linears, routed experts, routers

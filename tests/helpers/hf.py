@@ -19,7 +19,7 @@ from transformers import (
     GlmMoeDsaForCausalLM,
 )
 
-from dstrain.model.hf import SAFE_INDEX
+from dstrain.model.hf.files import SAFE_INDEX
 
 YARN = {
     "rope_type": "yarn",

@@ -10,7 +10,7 @@ from dstrain.memory.estimate import ACTS, GATHERED, PARAMS, STATES, Workload, es
 from dstrain.model import ModelConfig, build_model, get_config, param_counts
 from dstrain.parallel import ParallelDims
 from tests.helpers.tiny import tiny_config
-from tests.model.test_config_files import GLM_5, MOONLIGHT
+from tests.model.deepseek_v3.test_config import GLM_5, MOONLIGHT
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32)  # fmt: skip

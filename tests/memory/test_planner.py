@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dstrain.cli import main as dstrain_main
-from tests.model.test_config_files import MOONLIGHT
+from tests.model.deepseek_v3.test_config import MOONLIGHT
 
 VERDICT = re.compile(r"^(fits|does not fit): predicted peak (\d+\.\d) GiB per rank of 80 GiB$")
 GPUS = ["--num_gpus", "8", "--gpu_memory_gb", "80", "--seq_len", "4096", "--micro_batch_size", "1"]

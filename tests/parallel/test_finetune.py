@@ -147,10 +147,10 @@ def test_each_rank_reads_only_what_it_holds(finetuned, name):
 def test_zero3_bf16_keeps_the_expert_bias_fp32(finetuned, source, rank_pools):
     """zero.Init casts every buffer to bf16, where bias steps of γ = 1e-3 near 0.4 would round away."""
     from dstrain.model import get_config
-    from dstrain.model.reader import HFReader
+    from dstrain.model.sources import open_folder
 
     tmp, _ = finetuned
-    with HFReader(source, get_config(source)) as reader:
+    with open_folder(source, get_config(source)) as reader:
         want = [reader.read(k).tolist() for k in sorted(reader.sources) if k.endswith("correction_bias")]
     ranks = rank_pools.cached("z3_bf16", 2, "tests.parallel.worker:finetune_bf16", str(tmp), str(source))
     for rank in ranks:

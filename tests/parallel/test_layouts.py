@@ -311,8 +311,8 @@ def test_no_rank_builds_the_whole_fresh_model(two_rank, four_rank, name):
     """A fresh model in a model-parallel layout is built on meta and each rank draws its own part of one
     process's values (which the parity tests compare): a pipeline stage or an expert-parallel rank draws
     exactly what it keeps; a tensor-parallel rank draws whole only a tensor it slices, one at a time."""
-    from dstrain.model.init import local_tensors
-    from dstrain.model.model import DeepSeekLM
+    from dstrain.model.deepseek_v3.model import DeepSeekLM
+    from dstrain.model.sources import local_tensors
 
     with torch.device("meta"):
         whole = sum(t.numel() * 4 for _, t in local_tensors(DeepSeekLM(tiny_config())))

@@ -277,7 +277,7 @@ def reshard_run(info, out: str, src: str, run: str) -> list[dict] | None:  # noq
 
 def held_bytes(model) -> int:  # noqa: ANN001
     """What this rank keeps of the model outside ZeRO-3, in the fp32 source's bytes."""
-    from dstrain.model.init import local_tensors
+    from dstrain.model.sources import local_tensors
 
     return sum(t.numel() * 4 for _, t in local_tensors(model) if not t.is_meta)
 

@@ -208,7 +208,7 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from dstrain.model.hf import SAFE_INDEX
+    from dstrain.model.hf.files import SAFE_INDEX
     from dstrain.train import main
 
     def broken(name: str, edit) -> str:  # noqa: ANN001

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from dstrain.model import build_model
-from dstrain.model.lora import EXPERT_ADAPTERS
+from dstrain.model.common.lora import EXPERT_ADAPTERS
 from dstrain.training.finetune import apply_finetune_options
 from tests.helpers.runs import read_weights
 from tests.helpers.tiny import tiny_config
 from tests.helpers.trainer import make_options
-from tests.model.test_lora import expected_default
+from tests.model.common.test_lora import expected_default
 
 
 def test_finetune_options_freeze_and_unfreeze_explicitly():

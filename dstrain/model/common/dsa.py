@@ -1,0 +1,288 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer picks the `index_topk` keys
+each query attends to, and learns by a KL loss against the main attention.
+
+The indexer (DeepSeek-V3.2's: deepseek_v3/attention.py `Indexer`, HF keys
+`self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`; DeepSeek-V4's CSA indexer scores compressed entries the
+same way): queries from MLA's compressed query `qr`, one key head from the layer's input, RoPE on their first qk_rope_head_dim dims (half-split
+pairs in V3.2, adjacent in GLM-5), index score I[t, u] = sum_h w_h(t) * ReLU(scale * q_h(t) . k(u)) in fp32 with
+w = weights_proj(x) / sqrt(index_n_heads), causal and document masks, and each query's top index_topk keys,
+shared by every MLA head. T <= index_topk keeps every key: exactly dense MLA. GLM-5's "shared" layers have no
+indexer and attend with the previous full layer's selection.
+
+Training (DeepSeek-V3.2 report, section 2.1; Megatron-LM's dsa.py): the target is the main attention's
+probabilities (detached), summed over all heads and L1-normalised per query, under the same masks; the loss is
+KL(target || softmax(I)) per query, summed over queries, scaled by the caller (the mean over the global batch's
+queries times --indexer_loss_coef). The indexer's inputs (x, qr) are detached, so the main model learns from
+the LM loss alone and the indexer from its KL alone. In the sparse stage both distributions are restricted to
+the selected keys. Nothing (T, T)-sized is kept: `index_pass` walks blocks of query rows, computing scores,
+the selection, the KL and its gradient with respect to the indexer's q, k and w in the same pass; those
+gradients (the size of q, k and w) are kept and handed to autograd when the attention output's gradient
+arrives (`_inject`), scaled by the caller's factor, as Megatron's DSAIndexerLossAutoScaler does.
+
+Top-k is deterministic with a fixed tie rule: among equal scores the later key wins (GLM-5 reports that
+non-deterministic top-k degraded training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import UNION_DENSE, AttentionLayout, attend
+
+SCORE_ELEMENTS = 1 << 23  # (rows x heads x keys) fp32 score elements per block of query rows: 32 MiB
+
+
+@dataclass
+class Target:
+    """The main attention the indexer learns from: q, k (B, T, H, d) detached, its softmax scale, and the sum
+    over the heads that other ranks hold (tensor or sequence parallel), or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    sparse: bool
+    """The sparse stage's loss: both distributions restricted to the selected keys."""
+    head_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class PassResult:
+    selection: torch.Tensor | None
+    """(B, T, k) int64: the keys of each query (padded with repeats where a row has fewer keys than k)."""
+    stats: torch.Tensor
+    """fp64 (4,): KL summed over queries, queries, recall (the target mass inside the selection) summed over
+    queries, queries counted for recall (0 where the target was restricted to the selection)."""
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """d(KL sum)/d(q, k, w) of the indexer."""
+
+
+def _ordered(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 keys that sort like the scores, with the key index as tie-break (the later key wins)."""
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ties 0.0
+    order = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    return (order << 32) | index
+
+
+def top_keys(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` best keys along the last dim, deterministically (see `_ordered`), in descending order."""
+    k = min(k, scores.shape[-1])
+    return _ordered(scores).topk(k, dim=-1).indices
+
+
+def _valid(s: int, e: int, doc: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    """(B or 1, e - s, e) bool: query rows s:e may see keys :e (causal, same document)."""
+    causal = torch.ones(e - s, e, dtype=torch.bool, device=device).tril_(diagonal=s)
+    if doc is None:
+        return causal.unsqueeze(0)
+    return causal & (doc[:, s:e, None] == doc[:, None, :e])
+
+
+@torch.no_grad()
+def index_pass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    topk: int | None,
+    doc: torch.Tensor | None,
+    target: Target | None = None,
+    grads: bool = False,
+) -> PassResult:
+    """One walk over blocks of query rows: the indexer's scores, each query's `topk` keys (None: no
+    selection), with a `target` the KL loss and the recall, with `grads` the KL's gradient (see the top)."""
+    b, t, heads, dim = q.shape
+    dev = q.device
+    scale = dim**-0.5
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64 for gradcheck
+    qf, kf, wf = q.to(work), k.to(work), w.to(work)
+    width = min(topk, t) if topk is not None else 0
+    selection = torch.empty(b, t, width, dtype=torch.int64, device=dev) if topk is not None else None
+    stats = torch.zeros(4, dtype=torch.float64, device=dev)
+    dq = torch.zeros_like(qf) if grads else None
+    dk = torch.zeros_like(kf) if grads else None
+    dw = torch.zeros_like(wf) if grads else None
+    main_heads = target.q.shape[2] if target is not None else 0
+    rows = max(1, SCORE_ELEMENTS // (b * max(heads, main_heads) * t))
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        c = e - s
+        raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf[:, :e].transpose(1, 2))
+        act = raw.view(b, c, heads, e).mul_(scale).relu_()  # act > 0 exactly where the score was
+        index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
+        valid = _valid(s, e, doc, b, dev).expand(b, c, e)
+        index = index.masked_fill(~valid, float("-inf"))
+        chosen = None
+        if selection is not None:
+            top = top_keys(index, width)
+            if top.shape[-1] < width:  # fewer keys than width: every one is chosen; pad with repeats
+                top = torch.cat([top, top[..., -1:].expand(-1, -1, width - top.shape[-1])], dim=-1)
+            selection[:, s:e] = top
+            chosen = torch.zeros(b, c, e, dtype=torch.bool, device=dev).scatter_(
+                -1, top.clamp(max=e - 1), True
+            )
+        if target is None:
+            continue
+        support = valid & chosen if target.sparse else valid
+        # Sparse: the target over the block's chosen keys only (the attention kernel's scheme)
+        keys = support.any(dim=0).any(dim=0).nonzero().flatten() if target.sparse else None
+        if keys is not None and keys.numel() > UNION_DENSE * e:
+            keys = None
+        cols = slice(0, e) if keys is None else keys
+        sub = support[..., cols]
+        # The KL of two close distributions is a small difference of large terms: float64 from here on
+        p = _target_block(target, s, e, sub, cols)
+        logq = index[..., cols].double().masked_fill(~sub, float("-inf")).log_softmax(dim=-1)
+        kl = torch.where(sub, torch.xlogy(p, p) - p * logq.masked_fill(~sub, 0.0), 0.0).sum(-1)
+        stats[0] += kl.sum(dtype=torch.float64)
+        stats[1] += b * c
+        if chosen is not None and not target.sparse:
+            stats[2] += (p * chosen).sum(dtype=torch.float64)
+            stats[3] += b * c
+        if grads:  # d KL / d I is 0 off the support: the chain to q, k and w only over the keys scored
+            d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)
+            act_k = act if keys is None else act[..., keys]
+            dw[:, s:e] = torch.matmul(act_k, d_index.unsqueeze(-1)).squeeze(-1)
+            d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (act_k > 0) * scale
+            d_raw = d_raw.view(b, c * heads, -1)
+            dq[:, s:e] = torch.matmul(d_raw, kf[:, cols]).view(b, c, heads, dim)
+            d_keys = torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
+            if keys is None:
+                dk[:, :e] += d_keys
+            else:
+                dk.index_add_(1, keys, d_keys)
+    out_grads = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
+    return PassResult(selection, stats, out_grads)
+
+
+def _target_block(
+    target: Target, s: int, e: int, support: torch.Tensor, cols: slice | torch.Tensor
+) -> torch.Tensor:
+    """(B, e - s, keys) float64: the main attention's probabilities of query rows s:e over the support (of
+    the keys `cols`), summed over every head (the group's too) and L1-normalised."""
+    work = torch.float64 if target.q.dtype == torch.float64 else torch.float32
+    qm = target.q[:, s:e].to(work).transpose(1, 2)  # (B, H, c, d)
+    km = target.k[:, cols].to(work).transpose(1, 2)  # (B, H, keys, d)
+    scores = torch.matmul(qm, km.transpose(-1, -2)).mul_(target.scale)
+    p = (
+        scores.masked_fill_(~support.unsqueeze(1), float("-inf"))
+        .softmax(dim=-1)
+        .sum(dim=1, dtype=torch.float64)
+    )
+    if target.head_sum is not None:
+        p = target.head_sum(p)
+    return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+class _Inject(torch.autograd.Function):
+    """Identity on the attention output; in backward, the indexer's precomputed KL gradients of `inputs`
+    times `scale`, once: a graph walked by several backward calls (a pipeline stage runs one per tensor it
+    sent, with retain_graph) must not add it again."""
+
+    @staticmethod
+    def forward(ctx, out, scale, n, *inputs_and_grads):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(*inputs_and_grads[n:])
+        ctx.scale, ctx.n, ctx.done = scale, n, False
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        rest = (None,) * ctx.n  # no gradient for the precomputed gradients themselves
+        if ctx.done:
+            return grad, None, None, *(None,) * ctx.n, *rest
+        ctx.done = True
+        return grad, None, None, *(g * ctx.scale for g in ctx.saved_tensors), *rest
+
+
+def inject(out: torch.Tensor, scale: float, inputs: tuple, grads: tuple) -> torch.Tensor:
+    """`out`, whose backward also sends `grads` (times `scale`) into `inputs` (the indexer's tensors)."""
+    return _Inject.apply(out, scale, len(inputs), *inputs, *grads)
+
+
+@dataclass
+class SparseSettings:
+    """How one layer's sparse attention runs (set by DeepSeekLM.set_sparse_attention)."""
+
+    layer: int
+    source: int
+    """The layer whose selection this one attends with (itself unless GLM-5 shares an earlier one's)."""
+    dense: bool = False
+    """The dense warm-up: attention over every key (the indexer still learns)."""
+    loss: bool = True
+    """Compute the indexer's KL (and, training, inject its gradient)."""
+    grad_scale: float | None = None
+    """Factor on the KL sum's gradient; None: 1 / (queries of the forward)."""
+
+
+class SparseControls:
+    """The sparse-attention stages of a model (DeepSeekLM, DeepSeekV4LM) whose blocks' attention holds its
+    `sparse` settings (None: a dense layer)."""
+
+    def sparse_settings(self) -> list[SparseSettings]:
+        """Every sparse-attention layer's settings (none without sparse attention)."""
+        return [b.self_attn.sparse for b in self.blocks() if b.self_attn.sparse is not None]
+
+    def set_sparse_attention(self, stage: str) -> None:
+        """'dense': dense attention, the indexer learns (the warm-up); 'sparse': attention over the selected
+        keys, the indexer learns by the sparse KL; 'frozen': attention over the selected keys, no indexer loss."""
+        if stage not in ("dense", "sparse", "frozen"):
+            raise ValueError(f"sparse attention stage {stage!r}: choose dense, sparse or frozen")
+        for s in self.sparse_settings():
+            s.dense, s.loss = stage == "dense", stage != "frozen"
+
+    def set_indexer_grad_scale(self, scale: float | None) -> None:
+        """Factor on each indexer's KL-sum gradient (the trainer's global normalisation times the loss
+        coefficient); None: the mean over the forward's queries."""
+        for s in self.sparse_settings():
+            s.grad_scale = scale
+
+
+def sparse_attention(
+    settings: SparseSettings,
+    indexer: nn.Module | None,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    layout: AttentionLayout,
+    topk: int,
+    seq_parallel: Any = None,
+    head_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    measure: bool = True,
+) -> torch.Tensor:
+    """MLA's attention with the indexer's selection (q, k, v as `attend` takes them, this rank's part of them
+    under tensor or sequence parallelism). `measure`: compute the KL and recall (and, where the indexer
+    trains, the KL's gradient); in the dense stage or at evaluation the KL is the dense one."""
+    if indexer is None:
+        selection = layout.selections[settings.source]
+        return _attend(seq_parallel, q, k, v, scale, layout, None if settings.dense else selection)
+    iq, ik, iw = indexer(x.detach(), qr.detach(), rope)
+    if seq_parallel is not None:  # the indexer needs every key of the row: the group's whole rows
+        iq, ik, iw = (seq_parallel.gather_rows(z) for z in (iq, ik, iw))
+        q, k, v = (seq_parallel.to_heads(z) for z in (q, k, v))
+        head_sum = seq_parallel.sum
+    trains = torch.is_grad_enabled() and any(p.requires_grad for p in indexer.parameters())
+    sparse_kl = not settings.dense and torch.is_grad_enabled()
+    target = Target(q.detach(), k.detach(), scale, sparse_kl, head_sum) if measure else None
+    result = index_pass(iq, ik, iw, topk, layout.doc, target, grads=measure and settings.loss and trains)
+    layout.selections[settings.layer] = result.selection
+    layout.stats[settings.layer] = result.stats
+    out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
+    if result.grads is not None:
+        factor = settings.grad_scale if settings.grad_scale is not None else 1.0 / (iq.shape[0] * iq.shape[1])
+        out = inject(out, factor, (iq, ik, iw), result.grads)
+    return seq_parallel.to_tokens(out) if seq_parallel is not None else out
+
+
+def _attend(seq_parallel, q, k, v, scale, layout, selection):  # noqa: ANN001, ANN202
+    if seq_parallel is None:
+        return attend(q, k, v, scale, layout, selection)
+    q, k, v = (seq_parallel.to_heads(z) for z in (q, k, v))
+    return seq_parallel.to_tokens(attend(q, k, v, scale, layout, selection))

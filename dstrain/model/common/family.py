@@ -1,0 +1,54 @@
+"""What a model family is to the rest of dstrain: the record each family folder fills (its `FAMILY`) and
+`dstrain.model.registry` lists. Building, loading, saving, exporting and planning a run ask the family through
+this record, never by testing a config's class."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """The family's folder, e.g. "deepseek_v3"."""
+    config: type
+    """Its config class: `from_folder(path)`, `from_hf_dict(d)`, `to_hf_dict()`, transformers' field names."""
+    model: type[nn.Module]
+    """Its model, built from a config (on any device, meta included)."""
+    model_types: tuple[str, ...]
+    """The config.json `model_type` values it reads (the registry's default family reads any other)."""
+    presets: Mapping[str, Any]
+    """Preset name -> config."""
+    open_folder: Callable[..., Any]
+    """(path, cfg, allow_unsafe_pickle=False) -> an `hf.HFReader` of a checkpoint folder of the model `cfg`."""
+    to_hf: Callable[..., Iterator]
+    """(dstrain (key, tensor) pairs, cfg, dtype or None) -> the folder's (key, tensor) pairs, streaming: the key
+    table in the export direction, floating tensors cast to dtype (`keeps_fp32` ones kept fp32)."""
+    write_config: Callable[..., None]
+    """(cfg, path, dtype, generation or None): config.json declaring the weights' dtype, generation_config.json."""
+    keeps_fp32: Callable[[str], bool]
+    """Whether a dstrain tensor is held and saved in fp32 whatever the weights' dtype."""
+    param_counts: Callable[..., dict]
+    """(cfg, include_mtp=True) -> {"total", "active", "embedding"} parameter counts."""
+    flops_per_token: Callable[..., float]
+    """(cfg, seq_len, include_mtp=False, sparse=True) -> training FLOPs per token."""
+    checkpointing: tuple[str, ...]
+    """The --activation_checkpointing modes its model takes."""
+    copied_tensors: Callable[..., Any] = field(default=lambda cfg, source: contextlib.nullcontext([]))
+    """(cfg, source folder) -> a context giving the (key, SafetensorsFile) pairs an export copies byte for byte
+    from the folder the model came from (a multimodal checkpoint's vision tower); [] by default."""
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    """What it does not do yet -> the one-line reason a run that asks for it is refused: "tp" (tensor
+    parallelism), "adapter_only" (exporting LoRA adapters alone), "memory_estimate" (`dstrain plan`)."""
+    splits_heads: bool = True
+    """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
+
+    def refuse(self, feature: str, what: str) -> None:
+        """ValueError `what: <why>` when the family does not do `feature` (see `unsupported`)."""
+        if feature in self.unsupported:
+            raise ValueError(f"{what}: {self.unsupported[feature]}")

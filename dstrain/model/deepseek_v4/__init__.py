@@ -1,0 +1,35 @@
+"""DeepSeek-V4: config.py (both config.json forms), presets.py, attention.py (sliding, CSA and HCA attention,
+the CSA indexer), mhc.py (hyper-connections), model.py, state_dict.py (both key styles), flops.py."""
+
+from ..common.family import Family
+from . import flops
+from .config import V4Config
+from .model import DeepSeekV4LM
+from .presets import PRESETS
+from .state_dict import keeps_fp32, open_v4, to_hf, write_v4_config
+
+FAMILY = Family(
+    name="deepseek_v4",
+    config=V4Config,
+    model=DeepSeekV4LM,
+    model_types=(V4Config.model_type,),
+    presets=PRESETS,
+    open_folder=open_v4,
+    to_hf=to_hf,
+    write_config=write_v4_config,
+    keeps_fp32=keeps_fp32,
+    param_counts=flops.param_counts,
+    flops_per_token=flops.flops_per_token,
+    checkpointing=("none", "full", "mhc"),
+    unsupported={
+        "tp": "DeepSeek-V4 trains with data, expert, pipeline and sequence parallelism; tensor parallelism is "
+        "not built for its attention and mHC yet",
+        "adapter_only": "DeepSeek-V4 adapters export merged only for now (no serving layout for its LoRA "
+        "adapters is built): drop --adapter_only",
+        "memory_estimate": "the memory estimate does not model DeepSeek-V4 yet: its parameters are "
+        "`dstrain.model.param_counts`; measure a short run for its activations",
+    },
+    splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
+)
+
+__all__ = ["FAMILY", "DeepSeekV4LM", "V4Config"]

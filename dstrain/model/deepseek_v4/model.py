@@ -1,0 +1,318 @@
+"""DeepSeek-V4 causal LM as plain single-device PyTorch: mHC streams, V4 attention, hash and biased MoE, MTP.
+
+Module names are transformers' `DeepseekV4ForCausalLM` names minus `model.` (state_dict.py maps DeepSeek's own);
+MTP modules (which transformers does not build) follow DeepSeek's `MTPBlock`. The pieces V4 shares with V3
+(fused grouped-GEMM experts, the chunked cross-entropy head, the balance loss, the bias update) are model.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dstrain.batch import real_pairs, real_tokens, sequence_halo, target_mask
+
+from ..common.dsa import SparseControls
+from ..common.kernels import Linear
+from ..common.layers import (
+    EXPERT_BIAS,
+    HASH_TABLE,
+    MLP,
+    Experts,
+    Router,
+    sequence_balance,
+    update_expert_bias,
+)
+from ..common.loss import Head, ce_sum, combine_losses, mtp_depth_loss, target_rows
+from ..common.output import ModelOutput
+from .attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
+from .config import V4Config
+from .mhc import HyperConnection, HyperHead, expand
+
+
+class V4Router(Router):
+    """sqrt(softplus) scores; the selection is the top-k of scores + `e_score_correction_bias`, or on a hash
+    layer the frozen token -> experts table `tid2eid` (no bias there); weights are the selected scores
+    normalised, times routed_scaling_factor. Router's `_apply` keeps the bias fp32."""
+
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        nn.Module.__init__(self)  # Router's own __init__ reads V3 routing fields
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer(
+                HASH_TABLE, torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long)
+            )
+            self.e_score_correction_bias = None
+        else:
+            self.tid2eid = None
+            self.register_buffer(EXPERT_BIAS, torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):  # noqa: ANN201
+        """x (N, D), ids (N,) the tokens (hash layers) -> scores (N, E) fp32, experts (N, k), weights (N, k)."""
+        scores = F.softplus(self.logits(x)).sqrt()
+        if self.tid2eid is not None:
+            idx = self.tid2eid[ids.reshape(-1)]
+        else:
+            idx = (
+                (scores.detach() + self.e_score_correction_bias)
+                .topk(self.cfg.num_experts_per_tok, dim=-1, sorted=False)
+                .indices
+            )
+        weights = scores.gather(1, idx)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, idx, weights * self.cfg.routed_scaling_factor
+
+
+class V4MoE(nn.Module):
+    """Routed experts (SwiGLU clamped at swiglu_limit) plus one shared expert (clamped too, as DeepSeek's
+    reference and transformers clamp it). The sequence-balance loss and the expert load are a biased layer's
+    only: a hash layer's selection is fixed by its table, so neither balancing acts on it."""
+
+    seq_parallel = None
+
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        self.hashed = cfg.is_hash_layer(layer_idx)
+        self.gate = V4Router(cfg, self.hashed)
+        self.experts = Experts(cfg, limit=cfg.swiglu_limit)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size, limit=cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, real: torch.Tensor | None):  # noqa: ANN201
+        b, t, d = x.shape
+        scores, idx, weights = self.gate(x.reshape(-1, d), ids)
+        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d) + self.shared_experts(x)
+        if self.hashed:
+            return out, None, None
+        normed = scores / scores.sum(dim=-1, keepdim=True)
+        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
+        return out, aux, load
+
+
+class V4Block(nn.Module):
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.self_attn = V4Attention(cfg, layer_idx)
+        self.mlp = V4MoE(cfg, layer_idx)
+        self.input_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+        self.recompute_hc = False  # the mHC weights (fp32 norm, projection, Sinkhorn) recomputed in backward
+
+    def forward(self, streams, inputs):  # noqa: ANN001, ANN201 - called through checkpoint()
+        """streams (B, T, n, D), V4Inputs -> (streams, balance loss or None, expert load or None)."""
+        post, comb, x = self._hc(self.attn_hc, streams)
+        streams = expand(post, comb, self.self_attn(self.input_layernorm(x), inputs), streams)
+        post, comb, x = self._hc(self.ffn_hc, streams)
+        out, aux, load = self.mlp(self.post_attention_layernorm(x), inputs.ids, inputs.real)
+        return expand(post, comb, out, streams), aux, load
+
+    def _hc(self, hc: HyperConnection, streams: torch.Tensor):  # noqa: ANN202
+        # Kept for backward otherwise: two fp32 (T, n D) copies of the streams and ~2 iters (n x n) temporaries
+        # per token; recomputed, only the streams (held anyway) and the small outputs stay.
+        if self.recompute_hc and self.training:
+            return checkpoint(hc, streams, use_reentrant=False)
+        return hc(streams)
+
+
+class V4MTPLayer(nn.Module):
+    """Depth-k MTP (DeepSeek's MTPBlock): the embedding of the token k ahead and the previous depth's streams
+    (before the main HC head) projected and added per stream, one block, its own HC head and norm, the shared
+    head."""
+
+    def __init__(self, cfg: V4Config, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.e_proj = Linear(d, d, bias=False)
+        self.h_proj = Linear(d, d, bias=False)
+        self.enorm = V4RMSNorm(d, eps)
+        self.hnorm = V4RMSNorm(d, eps)
+        self.norm = V4RMSNorm(d, eps)
+        self.hc_head = HyperHead(d, cfg.hc_mult, cfg.hc_eps, eps)
+        self.block = V4Block(cfg, layer_idx)
+
+    def inputs(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+
+
+class DeepSeekV4LM(SparseControls, nn.Module):
+    """The V4 model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(),
+    update_expert_bias(), set_activation_checkpointing(), the CSA indexers' stages (SparseControls)."""
+
+    # Sequence parallelism (dstrain.parallel.sp) sets this as on DeepSeekLM: each rank's rows are its slice
+    # plus the halo; attention gathers the whole rows' keys and compressor inputs (V4Inputs.whole).
+    seq_parallel: Any = None
+    # Each sequence-parallel rank's indexer figures are its own queries' (DSA's are the whole rows', alike).
+    indexer_figures_per_slice = True
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.config = cfg
+        n = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(V4Block(cfg, i) for i in range(n))
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+        self.lm_head = Head(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(V4MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
+        self.moe_layer_ids = [i for i, b in enumerate(self.blocks()) if not b.mlp.hashed]
+        self.activation_checkpointing = "none"
+        self.rope = V4Rope(cfg)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def blocks(self) -> list[V4Block]:
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def indexers(self) -> list[nn.Module]:
+        """Every CSA layer's lightning indexer."""
+        return [b.self_attn.compressor.indexer for b in self.blocks() if b.self_attn.sparse is not None]
+
+    def routers(self) -> list[V4Router]:
+        """The routers whose expert load the forward reports (biased layers: main, then MTP), in that order."""
+        return [b.mlp.gate for b in self.blocks() if not b.mlp.hashed]
+
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing of the biased layers' routers; `tid2eid` never changes."""
+        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
+
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """'full' (or True): every block recomputed in backward; 'mhc': the mHC weights of every sublayer
+        recomputed; 'none' (or False): nothing."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        if mode not in ("none", "full", "mhc"):
+            raise ValueError(f"activation checkpointing {mode!r}: DeepSeek-V4 runs none, full or mhc")
+        self.activation_checkpointing = mode
+        for block in self.blocks():
+            block.recompute_hc = mode == "mhc"
+
+    def run_block(self, block: V4Block, streams: torch.Tensor, inputs: V4Inputs):  # noqa: ANN201
+        """One block (recomputed in backward under 'full' activation checkpointing) -> (streams, its balance
+        loss, its expert load), the last two None for a hash layer."""
+        if self.activation_checkpointing == "full" and self.training:
+            return checkpoint(block, streams, inputs, use_reentrant=False)
+        return block(streams, inputs)
+
+    def context(
+        self, position_ids: torch.Tensor | None, input_ids: torch.Tensor, t: int | None = None
+    ) -> V4Inputs:
+        """What every block of a forward of the first `t` tokens reads (a pipeline stage makes it from what
+        travels); under sequence parallelism the documents and positions of the whole rows too."""
+        b, t = input_ids.shape[0], t or input_ids.shape[1]
+        ids, sp = input_ids[:, :t], self.seq_parallel
+        if position_ids is None:
+            pos = torch.arange(t, device=input_ids.device).expand(b, t)
+            return V4Inputs(self.rope, pos, None, ids)
+        pos = position_ids[:, :t]
+        if sp is None:
+            return V4Inputs(self.rope, pos, document_ids(pos), ids, real_tokens(pos))
+        whole = sp.gather(pos)
+        doc = document_ids(whole)
+        return V4Inputs(self.rope, pos, doc, ids, real_tokens(pos), {}, sp, sp.rank * t, whole)
+
+    def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor) -> tuple[V4Inputs]:
+        return (self.context(position_ids, input_ids),)
+
+    @property
+    def halo(self) -> int:
+        return sequence_halo(len(self.mtp))
+
+    def streams_of(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The residual streams at the bottom: n copies of the embedding (B, T, n, D)."""
+        return embedded.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """As DeepSeekLM.forward: input_ids (B, T); position_ids restarting at 0 per packed document (-1:
+        padding); labels unshifted, -100 not a target."""
+        t = input_ids.shape[1]
+        if self.seq_parallel is not None:
+            t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
+        inputs = self.context(position_ids, input_ids, t)
+        streams = self.streams_of(self.embed_tokens(input_ids[:, :t]))
+        aux, loads = None, []
+        for block in self.layers:
+            streams, block_aux, load = self.run_block(block, streams, inputs)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+
+        def ahead(k: int) -> torch.Tensor:  # MTP depth k's inputs: the tokens k ahead (0 past the row)
+            ids = input_ids[:, k : k + t]
+            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
+
+        main_loads = torch.stack(loads) if loads else None
+        return self.finish(streams, ahead, inputs, position_ids, labels, aux, main_loads, return_logits)
+
+    def finish(
+        self,
+        streams: torch.Tensor,
+        ahead,  # noqa: ANN001 - k -> embeddings of the tokens k ahead (B, T, D)
+        inputs: V4Inputs,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        aux: torch.Tensor | None,
+        loads: torch.Tensor | None,
+        return_logits: bool | None = None,
+    ) -> ModelOutput:
+        """The HC head, norm, head and losses, and the MTP depths, from the last block's streams, the summed
+        balance loss and the (biased main layers, E) loads before (a pipeline's last stage calls this too)."""
+        cfg = self.config
+        t = streams.shape[1]
+        hidden = self.norm(self.hc_head(streams))
+        out = ModelOutput()
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        loads = [*loads] if loads is not None else []
+        if labels is not None:
+            n = target_rows(t, labels, 1)
+            out.lm_loss_sum, out.lm_tokens = ce_sum(
+                self.lm_head, hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
+            )
+            if len(self.mtp):
+                aux = self._mtp(out, streams, ahead, inputs, position_ids, labels, aux, loads)
+        if inputs.stats:
+            out.indexer_stats = torch.stack(list(inputs.stats.values())).sum(0)
+        if aux is not None:
+            out.aux_loss = aux
+            out.expert_load = torch.stack(loads).detach()
+        if labels is not None:
+            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if len(self.mtp) else None
+            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
+        return out
+
+    def _mtp(self, out, streams, ahead, inputs, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
+        """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
+        b, t = streams.shape[:2]
+        sums, counts = [], []
+        for k, mtp in enumerate(self.mtp, start=1):
+            streams = mtp.inputs(ahead(k), streams)
+            # a position whose look-ahead token is padding holds no pair: its router counts nothing
+            depth = dataclasses.replace(inputs, real=real_pairs(position_ids, b, t, k, streams.device))
+            streams, block_aux, load = self.run_block(mtp.block, streams, depth)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+            hidden = mtp.norm(mtp.hc_head(streams))
+            s, c, hits = mtp_depth_loss(self.lm_head, hidden, labels, position_ids, k, self.training)
+            if hits is not None:
+                out.mtp_hits = hits
+            sums.append(s)
+            counts.append(c)
+        out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
+        return aux
