@@ -17,6 +17,36 @@ PAD_POSITION = -1
 """The position id of padding: no token (it attends within the row's last document, and nothing reads it)."""
 
 
+def with_host_copy(moved: torch.Tensor, host: torch.Tensor) -> None:
+    """Remember the CPU batch's copy of a tensor the trainer moved to its device: what is decided from the
+    batch's values on the host (the attention layout) reads it instead of the device's copy (a host sync)."""
+    moved.dstrain_host_copy = host
+
+
+def host_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` itself on the CPU, else the CPU copy `with_host_copy` remembered for it, or None."""
+    if t is not None and t.device.type == "cpu":
+        return t
+    return getattr(t, "dstrain_host_copy", None)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`; to a GPU through pinned memory: torch's blocking copy from the host waits for
+    everything queued on the device (a host sync), a pinned non-blocking one does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A CPU batch on `device` (host_to_device); position ids moved to a GPU keep their CPU copy for the
+    attention layout (with_host_copy: no device read)."""
+    moved = {k: host_to_device(v, device) for k, v in batch.items()}
+    if "position_ids" in moved and device.type == "cuda":
+        with_host_copy(moved["position_ids"], batch["position_ids"])
+    return moved
+
+
 def real_tokens(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """(B, T) bool of the positions that hold a token (None without position ids: every one does)."""
     return None if position_ids is None else position_ids != PAD_POSITION
@@ -65,7 +95,29 @@ def sequence_shard(
         pos = torch.arange(t, device=ids.device).expand(b, t)
     fill = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": PAD_POSITION}
     out = {}
-    for key, x in (("input_ids", ids), ("labels", batch["labels"]), ("position_ids", pos)):
+    # other per-token keys (a preference batch's `documents`) are sliced alike, filled with -1
+    others = [(k, v) for k, v in batch.items() if k not in fill]
+    for key, x in (("input_ids", ids), ("labels", batch["labels"]), ("position_ids", pos), *others):
         part = x[:, rank * c : (rank + 1) * c + halo]
-        out[key] = torch.nn.functional.pad(part, (0, c + halo - part.shape[1]), value=fill[key])
+        out[key] = torch.nn.functional.pad(part, (0, c + halo - part.shape[1]), value=fill.get(key, -1))
     return out
+
+
+def document_index(labels: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) int64: each token's document, numbered in row-major order over the batch among the documents
+    that hold a target; -1 on padding and on documents without one. A preference batch
+    (dstrain/data/preference.py) holds each pair's two documents side by side, chosen first: document k is
+    pair k // 2's chosen (k even) or rejected (k odd) completion."""
+    b, t = labels.shape
+    pos = position_ids if position_ids is not None else torch.arange(t, device=labels.device).expand(b, t)
+    real = pos != PAD_POSITION
+    raw = ((pos == 0).flatten().cumsum(0) - 1).view(b, t)
+    raw = torch.where(real, raw, -1)
+    n = int(raw.max()) + 1
+    targets = (labels != IGNORE_INDEX) & real & (raw >= 0)
+    counts = torch.zeros(max(n, 1), dtype=torch.int64, device=labels.device)
+    counts.index_add_(0, raw[targets], torch.ones_like(raw[targets]))
+    keep = counts > 0
+    renumbered = keep.cumsum(0) - 1
+    safe = raw.clamp(min=0)
+    return torch.where((raw >= 0) & keep[safe], renumbered[safe], -1)

@@ -5,15 +5,56 @@ traceback. Dataclass options become flags through `fields.add_flags`."""
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import difflib
+import re
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from dstrain.errors import ConfigError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse without its usage dump and exit code 2 of its own: an unknown flag or a bad value raises."""
+    """argparse without its usage dump and exit code 2 of its own: an unknown flag or a bad value raises, with
+    the nearest flag when there is one. No prefixes (`--max_step` is not `--max_steps`: a flag added later
+    would change what an old command means); `--lora-r` and `--lora_r` are the same flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _flags(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        if args is not None:
+            args = [self._spelled(a) for a in args]
+        return super().parse_known_args(args, namespace)
+
+    def _spelled(self, arg: str) -> str:
+        """`--lora-r` -> `--lora_r` (and `--no_plots` -> `--no-plots`) when only the other spelling is a flag."""
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--") or name in self._flags():
+            return arg
+        for other in (name[:2] + name[2:].replace("-", "_"), name[:2] + name[2:].replace("_", "-")):
+            if other in self._flags():
+                return other + eq + value
+        return arg
 
     def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            hints = []
+            for word in unknown.group(1).split():
+                flag = word.partition("=")[0]
+                near = (
+                    difflib.get_close_matches(flag, self._flags(), n=1, cutoff=0.75)
+                    if flag[:2] == "--"
+                    else []
+                )
+                if near:
+                    hints.append(f"{flag}: did you mean {near[0]}?")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
         raise ConfigError(message)
 
 

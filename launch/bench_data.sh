@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA="${DATA_DIR:-../shared/data}"
 for f in tinyshakespeare.txt self_instruct_seed_tasks.jsonl sharegpt_conversations.json; do
-  .venv/bin/dstrain data stats --data "$DATA/$f" --seq_len 2048 "$@"
+  .venv/bin/dstrain data stats --data "$DATA/$f" --seq_len 2048 --json "$@"
 done

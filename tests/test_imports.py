@@ -27,7 +27,7 @@ FLOORS = {
     "data": {"base"},
     "parallel": {"base", "model"},
     "optim": {"base", "model"},
-    "checkpoint": {"base", "model", "parallel", "optim"},
+    "checkpoint": {"base", "model", "data", "parallel", "optim"},
     "config": {"base", "model", "data", "parallel", "checkpoint"},
     "memory": {"base", "model", "parallel", "config"},
     "training": {"base", "model", "data", "parallel", "optim", "checkpoint", "config", "memory"},

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dstrain.cmdline import command_parser
 from dstrain.errors import CheckpointError, ConfigError, UserError
@@ -209,7 +210,25 @@ def export(
     if missing:
         raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     copied = write_configs(cfg, out, dt, source)
+    if not any(name in copied for name in TOKENIZER_FILES):
+        copied = save_tokenizer(opened.tokenizer, source, out)
     return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "files": files, "tokenizer": copied}
+
+
+def save_tokenizer(spec: str | None, source: str | None, out: Path) -> list[str]:
+    """The tokenizer the run trained with, saved beside the weights where the source folder had none to copy
+    (a preset run: the bundled DeepSeek-V3 tokenizer or its --tokenizer) -> the files written."""
+    from dstrain.data.tokenizer import load_tokenizer
+
+    folder = source if source and os.path.isdir(source) else None
+    try:
+        tok = load_tokenizer(spec, folder)
+    except UserError as exc:
+        log.warning("dstrain export: no tokenizer written (%s)", exc)
+        return []
+    return sorted(
+        os.path.basename(f) for f in tok.save_pretrained(out) if os.path.basename(f) in TOKENIZER_FILES
+    )
 
 
 def check_adapter_only(lora: dict[str, Any] | None, cfg: ModelConfig) -> None:
@@ -303,8 +322,41 @@ def verify(
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (3, min(seq_len, cfg.max_position_embeddings)), generator=gen)
     want = ref.eval()(ids).logits
-    got = hf(input_ids=ids, use_cache=False).logits
+    with TieRule() as rule:
+        got = hf(input_ids=ids, use_cache=False).logits
+    if rule.tied_rows:
+        log.info(
+            "verify: transformers ran with dstrain's top-k tie rule (%d rows tied at the boundary)",
+            rule.tied_rows,
+        )
     return float((got.float() - want.float()).abs().max())
+
+
+class TieRule(TorchFunctionMode):
+    """transformers' `topk` calls with dstrain's tie rule (`dsa.top_keys`: of equal scores the later key).
+    A sparse-attention indexer with few heads leaves many scores exactly 0 after its ReLU, and torch.topk
+    breaks such ties its own way: the two models would then attend to different keys with the same weights,
+    and a correct export would differ by the selection alone. Where no scores tie, the selection is the same
+    set either way; `tied_rows` counts the rows whose k-th and (k+1)-th scores were equal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied_rows = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func not in (torch.topk, torch.Tensor.topk) or not args[0].is_floating_point():
+            return func(*args, **kwargs)
+        scores, k = args[0], args[1] if len(args) > 1 else kwargs["k"]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        if dim not in (-1, scores.dim() - 1) or not kwargs.get("largest", True) or k >= scores.shape[-1]:
+            return func(*args, **kwargs)
+        from dstrain.model.common.dsa import top_keys
+
+        ordered = scores.sort(dim=-1, descending=True).values
+        self.tied_rows += int(((ordered[..., k - 1] == ordered[..., k]) & ordered[..., k].isfinite()).sum())
+        indices = top_keys(scores, k)
+        return torch.return_types.topk((scores.gather(-1, indices), indices))
 
 
 def _text_model(cfg: ModelConfig, out: str | os.PathLike) -> Any:

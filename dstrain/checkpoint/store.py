@@ -209,16 +209,19 @@ class Checkpoint:
     """Its LoRA settings (lora.json), None for a full fine-tune."""
     source: str | None
     """The --model the run started from (a preset name or an HF folder), None where unrecorded."""
+    tokenizer: str | None = None
+    """The run's --tokenizer (None: the folder's own, else the bundled one)."""
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The complete checkpoint `path` names (see `find`)."""
     ckpt = find(path)
     try:
-        source = read_state(ckpt).get("model")
+        state = read_state(ckpt)
     except CheckpointError:
-        source = None
-    return Checkpoint(ckpt, read_model_config(ckpt), load_lora_settings(ckpt), source)
+        state = {}
+    config = read_model_config(ckpt)
+    return Checkpoint(ckpt, config, load_lora_settings(ckpt), state.get("model"), state.get("tokenizer"))
 
 
 # ------------------------------------------------------------------ save / load

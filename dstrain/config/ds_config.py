@@ -7,8 +7,10 @@ flag (ds_file.adopt), so an explicit value that still differs contradicts a flag
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,16 @@ from dstrain.atomic import write_json
 from dstrain.errors import ConfigError
 from dstrain.parallel import ParallelDims
 
-from .ds_file import AUTO, DS_SCHEDULER_TYPES, OWN_SECTION, TORCH_COMPILE_OK, UserFile, optimizer_type
+from .ds_file import (
+    AUTO,
+    DS_SCHEDULER_TYPES,
+    OWN_SECTION,
+    TORCH_COMPILE_OK,
+    TYPO_CUTOFF,
+    UserFile,
+    is_comment,
+    optimizer_type,
+)
 from .ds_file import fmt_value as _fmt
 from .options import LayoutOptions, OptimizerOptions, ScheduleOptions
 
@@ -99,7 +110,9 @@ def _own(section: dict[str, Any], key: str, value: Any, flag: str, where: str) -
 def _check_keys(section: dict[str, Any], allowed: set[str], where: str) -> None:
     for key in section:
         if key not in allowed:
-            raise ConfigError(f"ds_config {where}{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
+            near = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=TYPO_CUTOFF)
+            hint = f"did you mean {near[0]!r}?" if near else f"allowed: {', '.join(sorted(allowed))}"
+            raise ConfigError(f"ds_config {where}{key}: unknown key ({hint})")
 
 
 def resolve_precision(precision: str, raw: dict[str, Any], device_type: str) -> str:
@@ -480,6 +493,7 @@ def _validate_with_deepspeed(ds: dict[str, Any]) -> None:
         if name == "compile":
             # its torch.compile keys are dstrain's (ds_file.check_compile), not DeepSpeed 0.19's
             section = {k: v for k, v in section.items() if k not in TORCH_COMPILE_OK}
+        _check_model_keys(section, model, name)
         try:
             model(**_without_autos(section))
         except ValidationError as exc:
@@ -489,6 +503,36 @@ def _validate_with_deepspeed(ds: dict[str, Any]) -> None:
             shown = f"={_fmt(value)}" if not isinstance(value, dict) else ""
             msg = " ".join(str(err.get("msg", "invalid")).split())
             raise ConfigError(f"ds_config {name}.{loc}{shown}: {msg}") from None
+
+
+def _check_model_keys(section: dict[str, Any], model: Any, where: str) -> None:
+    """A key the pydantic model does not have (by name or alias), in the section or a nested model's object,
+    is an error naming it with the nearest setting, whatever its value ("auto" included: pydantic never sees
+    those, and a typo'd "auto" would otherwise read as a setting dstrain does not fill)."""
+    from pydantic import BaseModel
+
+    fields = {}
+    for name, info in model.model_fields.items():
+        fields[name] = info
+        if info.alias:
+            fields[info.alias] = info
+    for key, value in section.items():
+        if is_comment(key):
+            continue
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=TYPO_CUTOFF)
+            hint = (
+                f" (did you mean {near[0]!r}?)" if near else f" (DeepSpeed's {where} section has no such key)"
+            )
+            raise ConfigError(f"ds_config {where}.{key}: unknown setting{hint}")
+        annotation = fields[key].annotation
+        models = [
+            a
+            for a in (annotation, *typing.get_args(annotation))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if isinstance(value, dict) and models:
+            _check_model_keys(value, models[0], f"{where}.{key}")
 
 
 def _without_autos(node: Any) -> Any:

@@ -44,7 +44,8 @@ class ModelOptions:
     glm-5) or a Hugging Face
     checkpoint folder (config.json + safetensors), whose weights are loaded."""
     moe_bias_update_speed: float | None = None
-    """gamma: step of the aux-loss-free expert-bias update per optimizer step (default: the model config's)."""
+    """gamma: step of the aux-loss-free expert-bias update per optimizer step (default: the model config's; 0
+    under LoRA, which keeps the base model, the expert bias included, as loaded so the adapters serve alone)."""
     moe_aux_loss_alpha: float | None = None
     """alpha: weight of the sequence-wise balance loss (default: the model config's)."""
     mtp_loss_weight: float | None = None
@@ -60,9 +61,10 @@ class ModelOptions:
     """Sparse attention (DeepSeek-V3.2, GLM-5): 'dense' is DeepSeek's warm-up (dense attention, every weight
     but the lightning indexers frozen, only the indexer loss trains); 'sparse' attends to the chosen keys and
     trains everything, the indexers by the KL over their chosen keys (DeepSeek's sparse training); 'frozen'
-    attends to the chosen keys with the indexers frozen (what GLM-5 does in RL). auto: 'frozen' when
-    fine-tuning a checkpoint, whose indexers already follow its attention and a fine-tune moves that
-    attention little; 'sparse' for a model built fresh."""
+    attends to the chosen keys with the indexers frozen (what GLM-5 does in RL). auto: 'sparse' for a model
+    built fresh; for a checkpoint, what its makers did after pre-training: 'sparse' for DeepSeek-V3.2 (its
+    report: post-training uses sparse attention as the sparse pre-training stage did), 'frozen' for GLM-5 (the
+    one rule its report states, for RL); 'frozen' under LoRA, which keeps the base model as loaded."""
     indexer_loss_coef: float = 0.01
     """Weight of the indexers' KL loss (a mean over the step's queries, summed over layers; Megatron-LM's
     dsa_indexer_loss_coeff, 0.01 in its tests). Only the indexers learn from it; it enters the global gradient
@@ -167,6 +169,10 @@ class ScheduleOptions:
     max_steps: int = 50
     """Optimizer steps to run (in total, counting the steps of a resumed checkpoint). 0: load the model and
     write a checkpoint without training."""
+    epochs: float | None = None
+    """Passes over the training data instead of --max_steps: the run counts one pass's packed rows up front
+    (reading and tokenizing it all), prints the steps that makes (epochs x rows / global batch rows, rounded
+    up) and sizes the schedule to them; it resumes mid-epoch like any run."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     min_lr: float | None = None
@@ -178,6 +184,8 @@ class ScheduleOptions:
 
     def __post_init__(self) -> None:
         _check(self, positive=("lr",), non_negative=("max_steps", "warmup_steps"))
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"--epochs {self.epochs}: must be > 0")
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         if not 0.0 <= self.min_lr <= self.lr:
@@ -329,6 +337,25 @@ class RunOptions:
             )
 
 
+@dataclass
+class ObjectiveOptions:
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: the mean cross-entropy of the target tokens (pretraining text, chats, instructions). dpo: Direct
+    Preference Optimization on preference pairs (`chosen`/`rejected` data; needs --lora_r > 0, whose
+    adapters-off model is the reference), with the routers, the expert bias, the balance loss and MTP off by
+    default (docs/training.md)."""
+    dpo_beta: float = 0.1
+    """beta of --objective dpo: how far the policy may move from the reference (TRL's default, 0.1); with
+    --dpo_loss ipo its tau."""
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta * margin); ipo: IPO's squared (margin / tokens - 1 / (2 beta)), per-token
+    log-ratios as in TRL, the other loss of TRL's DPOTrainer that needs nothing beyond the pairs and does not
+    push the margin without bound on pairs it already ranks right (overfits less on small or noisy sets)."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("dpo_beta",))
+
+
 # Section name -> its dataclass, in --help order. `data` is the data package's own.
 SECTIONS: dict[str, type] = {
     "model": ModelOptions,
@@ -339,13 +366,13 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingOptions,
     "eval": EvalOptions,
     "lora": LoRAOptions,
+    "objective": ObjectiveOptions,
     "run": RunOptions,
     "data": DataOptions,
 }
+
+
 # Data defaults that differ for training from the data package's own (a CPU-sized default run).
-DATA_DEFAULTS: dict[str, Any] = {"seq_len": 64}
-
-
 @dataclass
 class Options:
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -356,8 +383,9 @@ class Options:
     logging: LoggingOptions = field(default_factory=LoggingOptions)
     eval: EvalOptions = field(default_factory=EvalOptions)
     lora: LoRAOptions = field(default_factory=LoRAOptions)
+    objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
     run: RunOptions = field(default_factory=RunOptions)
-    data: DataOptions = field(default_factory=lambda: DataOptions(**DATA_DEFAULTS))
+    data: DataOptions = field(default_factory=DataOptions)
     given: frozenset[str] = frozenset()
     """The options the user set (flag or recipe): a DeepSpeed file's explicit value yields only to these."""
 
@@ -410,7 +438,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--recipe", help="TOML file of option = value entries (flags override it)")
     for title, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{title} options")
-        add_flags(group, cls, DATA_DEFAULTS if cls is DataOptions else None)
+        add_flags(group, cls)
     return parser
 
 
@@ -446,7 +474,6 @@ def parse_options(argv: list[str]) -> Options:
     for key, value in ns.items():
         values[key] = (value, "--")
     kwargs: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    kwargs["data"] = {k: v for k, v in DATA_DEFAULTS.items() if k not in values}
     for key, (value, source) in values.items():
         section = section_of[key]
         kwargs[section][key] = _coerce(SECTIONS[section], key, value, source)
@@ -458,4 +485,6 @@ def parse_options(argv: list[str]) -> Options:
             raise
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{name} options: {exc}") from exc
+    if "epochs" in values and "max_steps" in values:
+        raise ConfigError("--epochs and --max_steps: give one (--epochs sets the steps)")
     return Options(**sections, given=frozenset(values))

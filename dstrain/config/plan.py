@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dstrain import dist
+from dstrain.data.sources import check_local_sources
 from dstrain.errors import ConfigError
-from dstrain.model import ModelConfig, family_of, get_config
+from dstrain.model import ModelConfig, build_model, family_of, get_config
+from dstrain.model.common.lora import match_targets
 from dstrain.parallel import ParallelDims
 
 from .ds_config import (
@@ -59,6 +61,8 @@ class RunPlan:
     """Lines to show the user at start (deprecated config forms, ...)."""
     output_dir: str | None = None
     """The run folder; set by `with_output_dir` once the ranks agree on it."""
+    lr_origin: str = "given"
+    """Where --lr (and --min_lr) came from: "given" (flag, recipe or the DeepSpeed file), or the default."""
 
     @property
     def global_batch_rows(self) -> int:
@@ -86,7 +90,17 @@ def model_config(opts: Options, base: ModelConfig | None = None) -> ModelConfig:
             base = get_config(opts.model.model)
         except ValueError as exc:
             raise ConfigError(f"--model {opts.model.model}: {exc}") from None
-    return base.replace(**opts.model.config_overrides())
+    changes = opts.model.config_overrides()
+    if opts.lora.lora_r > 0:
+        # LoRA leaves the base model as it came, so the adapters serve alone (vLLM, peft): the expert bias is a
+        # base-model buffer, kept unless --moe_bias_update_speed asks for it to move
+        changes.setdefault("bias_update_speed", 0.0)
+    if opts.objective.objective == "dpo":
+        # DPO moves the policy only as far as the preference asks: no load balancing (the routers are frozen,
+        # so the balance loss could only bend the hidden states) and no MTP loss on rejected completions
+        for name in ("bias_update_speed", "aux_loss_alpha", "mtp_loss_weight"):
+            changes.setdefault(name, 0.0)
+    return base.replace(**changes)
 
 
 def prepare(
@@ -102,7 +116,10 @@ def prepare(
     path, raw = load_ds_config(opts.layout.config)
     check_top_level(raw, f"--config {path}")
     user = split_layout(raw)
+    opts, lr_origin = default_lr(opts)
+    defaulted = opts.schedule.lr
     opts = adopt(opts, user.ds)
+    lr_origin = lr_origin if opts.schedule.lr == defaulted else "given"  # the DeepSpeed file's own lr
     dims = resolve_layout(user, opts.layout, world)
     opts = _accumulation_from_train_batch(opts, user, dims)
     cfg = model_config(opts, model)
@@ -142,31 +159,94 @@ def prepare(
     if mode not in modes:
         raise ConfigError(f"--activation_checkpointing {mode}: {cfg.model_type} takes {', '.join(modes)}")
     folder = opts.model.model if os.path.isdir(opts.model.model) else None
+    mtp_notes: tuple[str, ...] = ()
     if folder is not None and model is None:
-        check_model_folder(folder, cfg)
+        cfg, mtp_notes = _mtp_of_folder(opts, cfg, folder, check_model_folder(folder, cfg))
     opts, cfg = _sparse_attention_stage(opts, cfg, folder)
-    notes = user.notes
+    notes = user.notes + mtp_notes
     lora = opts.lora
+    check_local_sources(opts.data)
+    if opts.objective.objective == "dpo":
+        _check_dpo(opts, cfg, dims)
+    if lora.lora_r > 0:
+        _check_lora_targets(cfg, lora.targets, lora.lora_targets)
     if lora.lora_r % 8 and "experts" in lora.targets:  # experts.py: r is a grouped GEMM's inner size
         notes += (
             f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
-    return RunPlan(opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes)
+    return RunPlan(
+        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes, None, lr_origin
+    )
+
+
+# The learning rates a run gets where no flag, recipe or DeepSpeed file sets one: the built-in demo's for a
+# preset; for a fine-tune of a folder, DeepSeek-V3's SFT (its report, section 5.1: cosine from 5e-6 to 1e-6),
+# and under LoRA ten times that ("LoRA Without Regret", Schulman et al. 2025: LoRA's best lr is about 10x full
+# fine-tuning's). The demo's 3e-3 on a pretrained model collapses its routing within a few steps.
+DEFAULT_LRS = {
+    "preset default": (3e-3, None),
+    "full fine-tune default (DeepSeek-V3's SFT)": (5e-6, 1e-6),
+    "LoRA fine-tune default (10x full fine-tuning's)": (5e-5, 5e-6),
+}
+
+
+def default_lr(opts: Options) -> tuple[Options, str]:
+    """`opts` with the default lr (and min_lr) for its kind of run where none was given -> (opts, its origin)."""
+    if "lr" in opts.given:
+        return opts, "given"
+    if not os.path.isdir(opts.model.model):
+        origin = "preset default"
+    else:
+        origin = (
+            "LoRA fine-tune default (10x full fine-tuning's)"
+            if opts.lora.lora_r > 0
+            else "full fine-tune default (DeepSeek-V3's SFT)"
+        )
+    lr, min_lr = DEFAULT_LRS[origin]
+    changes = {"lr": lr}
+    if "min_lr" not in opts.given:
+        changes["min_lr"] = min_lr  # None: lr / 10
+    return dataclasses.replace(opts, schedule=dataclasses.replace(opts.schedule, **changes)), origin
+
+
+def _check_dpo(opts: Options, cfg: Any, dims: ParallelDims) -> None:
+    """What --objective dpo runs today: LoRA (the reference is the adapters-off model), data parallelism
+    with ZeRO 0-3, pipeline, tensor, expert and sequence parallelism, the DeepSeek-V3 family."""
+    try:
+        family_of(cfg).refuse("dpo", "--objective dpo")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.lora.lora_r == 0:
+        raise ConfigError(
+            "--objective dpo needs --lora_r > 0: the reference is the model with its adapters off (a full "
+            "fine-tune's reference, precomputed log-probabilities, is not built yet)"
+        )
+
+
+def _check_lora_targets(cfg: Any, targets: list[str], flag: str) -> None:
+    """--lora_targets against the model's modules, on a meta-device copy: a target matching nothing is a
+    one-line error before any process group, memory or file exists."""
+    model = build_model(cfg, device="meta")
+    try:
+        match_targets(model, targets)
+    except ValueError as exc:
+        raise ConfigError(f"--lora_targets {flag}: {exc}") from None
 
 
 def _sparse_attention_stage(
     opts: Options, cfg: ModelConfig, folder: str | None
 ) -> tuple[Options, ModelConfig]:
-    """--dsa_stage resolved ('auto': frozen for a checkpoint, sparse for a fresh model); the dense warm-up
-    keeps the experts' balancing bias as it is (everything but the indexers is frozen)."""
+    """--dsa_stage resolved ('auto': sparse for a fresh model; for a checkpoint its variant's fine-tuning stage,
+    frozen under LoRA); the dense warm-up keeps the experts' balancing bias as it is (everything but the
+    indexers is frozen)."""
     stage = opts.model.dsa_stage
     if not cfg.sparse_attention:
         if "dsa_stage" in opts.given or "indexer_loss_coef" in opts.given:
             raise ConfigError(f"--dsa_stage / --indexer_loss_coef: {cfg.model_type} has no sparse attention")
         return opts, cfg
-    if stage == "auto":
-        stage = "frozen" if folder is not None else "sparse"
+    if stage == "auto":  # LoRA keeps the base model as loaded, its indexers included
+        stage = "sparse" if folder is None else "frozen" if opts.lora.lora_r > 0 else cfg.finetune_dsa_stage
     if stage == "dense":
         cfg = cfg.replace(bias_update_speed=0.0)
     return dataclasses.replace(opts, model=dataclasses.replace(opts.model, dsa_stage=stage)), cfg
@@ -191,13 +271,29 @@ def _accumulation_from_train_batch(opts: Options, user: UserFile, dims: Parallel
     return dataclasses.replace(opts, layout=layout)
 
 
-def check_model_folder(path: str, cfg: ModelConfig) -> None:
+def check_model_folder(path: str, cfg: ModelConfig) -> list[str]:
     """A folder that does not fit its own config.json is a one-line error here, before any process group or
-    allocation (headers only: nothing is read)."""
+    allocation (headers only: nothing is read). -> the tensors it lacks that may start fresh."""
     from dstrain.model.sources import check_folder, open_folder
 
     try:
         with open_folder(path, cfg) as reader:
-            check_folder(reader, cfg)
+            return check_folder(reader, cfg)
     except ValueError as exc:
         raise ConfigError(f"--model {path}: {exc}") from None
+
+
+def _mtp_of_folder(opts: Options, cfg: Any, folder: str, missing: list[str]) -> tuple[Any, tuple[str, ...]]:
+    """A folder without MTP weights (transformers' save_pretrained drops them) fine-tunes without MTP unless
+    --train_mtp or --mtp_loss_weight asks for fresh MTP modules: an untrained module's loss would enter the
+    objective and its gradient reach shared weights and adapters, and the export would ship it. -> (config,
+    notes)."""
+    depth = cfg.num_nextn_predict_layers
+    if not depth or not any(k.startswith("mtp.") for k in missing):
+        return cfg, ()
+    if {"train_mtp", "mtp_loss_weight"} & opts.given:
+        return cfg, (f"{folder} has no MTP weights: its {depth} MTP module(s) start fresh and train",)
+    return cfg.replace(num_nextn_predict_layers=0), (
+        f"{folder} has no MTP weights: MTP is off for this run (not trained, not exported; its config's "
+        f"num_nextn_predict_layers={depth} is not carried over); --train_mtp trains fresh MTP modules",
+    )

@@ -13,7 +13,7 @@ Public API (the trainer's contract, see docs/interfaces.md):
 from dstrain.errors import DataError
 
 from .evalset import build_eval_rows
-from .loader import Loader, build_loader, merge_states
+from .loader import Loader, build_loader, epoch_rows, merge_states
 from .options import DataOptions, field_help
 from .tokenizer import load_tokenizer
 
@@ -23,6 +23,7 @@ __all__ = [
     "Loader",
     "build_eval_rows",
     "build_loader",
+    "epoch_rows",
     "merge_states",
     "field_help",
     "load_tokenizer",

@@ -1,7 +1,8 @@
 """`dstrain data audit`: show what is trained on.
 
 Prints the first `--n` samples as the model sees them (rendered chat template, special tokens included)
-with the trained tokens marked (green when stdout is a terminal, else between `[[` and `]]`), then label-mask
+with the trained tokens marked (green when stdout is a terminal, else between `[[` and `]]`; a preference pair
+shows its chosen and rejected documents, the completion tokens that make each log-probability marked), then label-mask
 statistics over up to `--max_docs` samples. A chat without an assistant turn, a chat the template cannot
 render, and a sample with no trained token are errors here (training skips them with a count).
 """
@@ -17,9 +18,9 @@ from dstrain.batch import IGNORE_INDEX
 from dstrain.errors import DataError
 
 from .bench import no_usable_sample, read_docs
-from .chat import ChatEncoder
 from .formats import Skip
 from .options import DataOptions
+from .pipeline import make_sample_encoder
 from .tokenizer import PretrainEncoder
 
 FATAL = {"skipped_no_assistant"}
@@ -66,7 +67,7 @@ def run_audit(
         file=out,
     )
     if sft:
-        encoder = ChatEncoder(tok, opts.sft_turns, opts.think)
+        encoder = make_sample_encoder(sources[0].fmt, tok, opts)
         for lo in range(0, len(docs), CHUNK):
             chunk = docs[lo : lo + CHUNK]
             for k, ((chat, origin), enc) in enumerate(
@@ -83,7 +84,8 @@ def run_audit(
                 lengths.append(len(enc.ids))
                 stats["tokens"] += len(enc.ids)
                 stats["targets"] += targets
-                stats["assistant_turns"] += sum(m["role"] == "assistant" for m in chat)
+                turns = chat["chosen"] + chat["rejected"] if isinstance(chat, dict) else chat
+                stats["assistant_turns"] += sum(m["role"] == "assistant" for m in turns)
                 if len(enc.ids) > opts.seq_len:
                     stats["over_seq_len"] += 1
                     if not enc.truncated(opts.seq_len).targets:
@@ -93,7 +95,17 @@ def run_audit(
                         f"\n## sample {lo + k + 1}: {where}: {len(enc.ids)} tokens, {targets} trained",
                         file=out,
                     )
-                    print(marked(enc.text, enc.offsets, enc.labels, color), file=out)
+                    sides = (
+                        (("chosen", enc.chosen), ("rejected", enc.rejected)) if isinstance(chat, dict) else ()
+                    )
+                    for name, side in sides:  # a preference pair: both documents, their completions marked
+                        print(
+                            f"### {name}: {len(side.ids)} tokens, {side.n_targets()} in the log-probability",
+                            file=out,
+                        )
+                        print(marked(side.text, side.offsets, side.labels, color), file=out)
+                    if not sides:
+                        print(marked(enc.text, enc.offsets, enc.labels, color), file=out)
     else:
         encoder = PretrainEncoder(tok, opts.add_bos)
         for lo in range(0, len(docs), CHUNK):

@@ -22,11 +22,10 @@ from collections import Counter
 from dstrain.batch import IGNORE_INDEX
 from dstrain.errors import DataError
 
-from .chat import ChatEncoder
 from .formats import Skip
 from .options import DataOptions
 from .packing import BestFitPacker, PretrainPacker, assemble
-from .pipeline import SourceReader, Stream, skip_summary
+from .pipeline import SourceReader, Stream, make_sample_encoder, skip_summary
 from .sources import resolve_sources
 from .tokenizer import PretrainEncoder, special_ids
 
@@ -69,8 +68,8 @@ def no_usable_sample(opts: DataOptions, max_docs: int | None, n_docs: int, skipp
     return DataError(f"data: no usable sample in {what} of {opts.data} (skipped: {summary})")
 
 
-def make_encoder(opts: DataOptions, tok, sft: bool):
-    return ChatEncoder(tok, opts.sft_turns, opts.think) if sft else PretrainEncoder(tok, opts.add_bos)
+def make_encoder(opts: DataOptions, tok, fmt: str):
+    return make_sample_encoder(fmt, tok, opts) if fmt != "text" else PretrainEncoder(tok, opts.add_bos)
 
 
 def pack_all(opts: DataOptions, tok, docs: list, encoder, rows_per_batch: int = 8) -> Counter:
@@ -81,7 +80,7 @@ def pack_all(opts: DataOptions, tok, docs: list, encoder, rows_per_batch: int = 
     def pull(n: int) -> list:
         return [d for _, d in zip(range(n), it)]
 
-    if isinstance(encoder, ChatEncoder):
+    if not isinstance(encoder, PretrainEncoder):
         packer = BestFitPacker(
             opts.seq_len,
             encoder,
@@ -106,10 +105,10 @@ def pack_all(opts: DataOptions, tok, docs: list, encoder, rows_per_batch: int = 
         stats["targets"] += int((batch["labels"] != IGNORE_INDEX).sum())
 
 
-def raw_texts(opts: DataOptions, tok, docs: list, sft: bool) -> list[str]:
-    if not sft:
+def raw_texts(opts: DataOptions, tok, docs: list, fmt: str) -> list[str]:
+    if fmt == "text":
         return [d for d, _ in docs]
-    encoder, texts = ChatEncoder(tok, opts.sft_turns, opts.think), []
+    encoder, texts = make_sample_encoder(fmt, tok, opts), []
     for doc, _ in docs:
         try:
             texts.append(encoder.render(doc))
@@ -140,12 +139,12 @@ def steady_fill(opts: DataOptions, tok, sources: list, tokens: int) -> float:
     return real / max(1, rows * opts.seq_len)
 
 
-def naive_fill(opts: DataOptions, tok, docs: list, sft: bool) -> float:
+def naive_fill(opts: DataOptions, tok, docs: list, fmt: str) -> float:
     """One sample per row, padded to seq_len (pretraining: each document alone, split over whole rows)."""
-    if sft:
+    if fmt != "text":
         lengths = [
             len(e.ids)
-            for e in ChatEncoder(tok, opts.sft_turns, opts.think).encode([d for d, _ in docs])
+            for e in make_sample_encoder(fmt, tok, opts).encode([d for d, _ in docs])
             if not isinstance(e, Skip)
         ]
         kept = [min(n, opts.seq_len) for n in lengths if n <= opts.seq_len or opts.overlong == "truncate"]
@@ -158,12 +157,12 @@ def run_stats(opts: DataOptions, tok, max_docs: int | None = None, rounds: int =
     t0 = time.perf_counter()
     sources, docs, skipped = read_docs(opts, max_docs)
     read_s = time.perf_counter() - t0
-    sft = sources[0].fmt != "text"
-    encoder = make_encoder(opts, tok, sft) if docs else None  # built once, as each loader stream does
+    fmt = sources[0].fmt
+    encoder = make_encoder(opts, tok, fmt) if docs else None  # built once, as each loader stream does
     result = pack_all(opts, tok, docs, encoder) if docs else Counter()  # also warms caches, cross-checks
     if not result["documents"]:  # nothing to time (and timing nothing would never end)
         raise no_usable_sample(opts, max_docs, len(docs), skipped + result)
-    texts = raw_texts(opts, tok, docs, sft)
+    texts = raw_texts(opts, tok, docs, fmt)
     # small data sets are repeated (as distinct documents) so that every timed run is long enough to time
     reps = max(1, math.ceil(MIN_TIMED_TOKENS / max(1, result["tokens"])))
     timed_docs = [(d, [*origin, r]) for r in range(reps) for d, origin in docs]
@@ -194,7 +193,7 @@ def run_stats(opts: DataOptions, tok, max_docs: int | None = None, rounds: int =
         "rows": int(result["rows"]),
         "fill": round(steady_fill(opts, tok, sources, result["tokens"]), 5),
         "fill_one_pass": round(result["tokens"] / max(1, result["rows"] * opts.seq_len), 5),
-        "naive_fill": round(naive_fill(opts, tok, docs, sft), 5),
+        "naive_fill": round(naive_fill(opts, tok, docs, fmt), 5),
         "dropped": int(result["dropped"]),
         "truncated": int(result["truncated"]),
         "skipped": dict(sorted(skipped.items())),

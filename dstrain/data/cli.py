@@ -24,19 +24,35 @@ def build_parser() -> ArgumentParser:
         "--color", choices=("auto", "always", "never"), default="auto", help="colour trained tokens"
     )
     stats = sub.add_parser(
-        "stats", help="one JSON object: counts, fill, tokenize+pack speed vs the raw tokenizer"
+        "stats", help="counts, fill, tokenize+pack speed vs the raw tokenizer (--json: one JSON object)"
     )
     stats.add_argument("--max_docs", type=int, default=None, help="measure at most this many documents")
     stats.add_argument("--rounds", type=int, default=3, help="ABBA rounds (2 runs of each side per round)")
+    stats.add_argument("--json", action="store_true", help="one JSON object instead of lines for a reader")
     for p in (audit, stats):
         add_arguments(p)
         add_debug(p)
-        p.add_argument("--model_path", default=None, help="checkpoint folder whose tokenizer to use")
+        # --model as `dstrain train` spells it; --model_path as earlier versions did
+        p.add_argument(
+            "--model",
+            "--model_path",
+            dest="model_path",
+            default=None,
+            help="checkpoint folder whose tokenizer to use",
+        )
     return parser
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def readable(stats: dict) -> str:
+    """`dstrain data stats` for a reader: a heading, then one aligned `name  value` line per figure."""
+    head = f"{stats['data']}: format {stats['format']}, seq_len {stats['seq_len']}"
+    rest = {k: v for k, v in stats.items() if k not in ("data", "format", "seq_len")}
+    width = max(map(len, rest))
+    return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rest.items()])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,5 +68,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         from .bench import run_stats
 
-        print(json.dumps(run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)))
+        stats = run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)
+        print(json.dumps(stats) if args.json else readable(stats))
     return 0

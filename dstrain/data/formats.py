@@ -13,6 +13,8 @@ takes it off).
   turns are assistant tool calls (a JSON `{"name", "arguments"}` or a list of them) and tool results. An
   optional `system` column is the system prompt unless the chat starts with its own; an optional `tools`
   column (a list, or JSON text of one) holds the tool definitions.
+- preference (DPO pairs): `chosen` + `rejected` with or without `prompt` (`normalize_pair`: the prompt, chosen
+  and rejected messages; preference.py describes the formats and encodes the pairs).
 - instruction: `instruction` + optional `input` + `output` (Alpaca), or `instruction` + `instances[]` with
   `input` / `output` (Self-Instruct; one sample per instance). The prompt is the instruction, followed by a
   blank line and the input when the input is not empty; the output is the assistant reply. LLaMA-Factory's
@@ -66,7 +68,10 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
     cols = set(columns)
     chat = next((c for c in CHAT_FIELDS if c in cols), None)
     instruction = "instruction" in cols and ("output" in cols or "instances" in cols)
+    preference = "chosen" in cols and "rejected" in cols
     if requested == "auto":
+        if preference:  # before chat: UltraFeedback's pairs come with a `messages` column too
+            return "preference"
         if chat:
             return "chat"
         if instruction:
@@ -86,6 +91,8 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
         raise DataError(
             f"data: missing field 'messages' or 'conversations' in {where} (columns {sorted(cols)})"
         )
+    if requested == "preference" and not preference:
+        raise DataError(f"data: missing field 'chosen' or 'rejected' in {where} (columns {sorted(cols)})")
     if requested == "instruction" and not instruction:
         missing = "instruction" if "instruction" not in cols else "output' or 'instances"
         raise DataError(f"data: missing field '{missing}' in {where} (columns {sorted(cols)})")
@@ -104,6 +111,8 @@ def needed_columns(fmt: str, columns: list[str], text_field: str) -> list[str]:
         wanted = [text_field]
     elif fmt == "chat":
         wanted = [*CHAT_FIELDS, "system", "tools", *MEDIA_FIELDS]
+    elif fmt == "preference":
+        wanted = ["prompt", "chosen", "rejected", "system", *MEDIA_FIELDS]
     else:
         wanted = ["instruction", "input", "output", "instances", "system", "history", *MEDIA_FIELDS]
     return [c for c in wanted if c in columns]
@@ -140,6 +149,8 @@ class Normalizer:
                 raise Skip("skipped_non_text", f"record has {field} (dstrain trains text-only models)")
         if self.fmt == "chat":
             return [self._chat(row, where)]
+        if self.fmt == "preference":
+            return [normalize_pair(row, where)]
         return self._instruction(row, where)
 
     def _text(self, row: dict, where) -> str:
@@ -216,6 +227,55 @@ class Normalizer:
 def _check_text(text: str, where) -> None:
     if "\ufffd" in text:
         raise Skip("skipped_undecodable", "undecodable bytes (U+FFFD)")
+
+
+def _pair_turns(value, name: str, where, default_role: str) -> list[dict]:
+    """A text or a message list -> messages (a text is one turn of `default_role`)."""
+    if isinstance(value, str):
+        return [{"role": default_role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise Skip("skipped_missing_field", f"missing or empty field {name!r}")
+    messages: list[dict] = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise Skip("skipped_missing_field", f"{name}[{i}] is not a message")
+        _add_turn(messages, turn, f"{name}[{i}]", where)
+    return messages
+
+
+def normalize_pair(row: dict, where) -> dict:
+    """A record -> `{"prompt": [...], "chosen": [...], "rejected": [...]}` messages (raises Skip)."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise Skip("skipped_missing_field", f"missing field {name!r}")
+    conversational = isinstance(chosen, list)
+    if prompt is not None and isinstance(prompt, list) == conversational:
+        head = _pair_turns(prompt, "prompt", where, "user")
+        c, r = (
+            _pair_turns(chosen, "chosen", where, "assistant"),
+            _pair_turns(rejected, "rejected", where, "assistant"),
+        )
+    elif conversational and isinstance(rejected, list):
+        full_c, full_r = (
+            _pair_turns(chosen, "chosen", where, "user"),
+            _pair_turns(rejected, "rejected", where, "user"),
+        )
+        k = 0
+        while k < min(len(full_c), len(full_r)) and full_c[k] == full_r[k]:
+            k += 1
+        head, c, r = full_c[:k], full_c[k:], full_r[k:]
+    else:
+        raise Skip("skipped_missing_field", "missing field 'prompt' (text completions need one)")
+    system = row.get("system")
+    if isinstance(system, str) and system.strip() and not (head and head[0]["role"] == "system"):
+        head = [{"role": "system", "content": system}, *head]
+    for name, side in (("chosen", c), ("rejected", r)):
+        if not any(m["role"] == "assistant" for m in side):
+            raise Skip("skipped_no_assistant", f"{name} completion without an assistant turn")
+    # the prompt's own assistant turns (earlier turns of a conversation) are context, never targets
+    head = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in head]
+    return {"prompt": head, "chosen": c, "rejected": r}
 
 
 def _add_turn(messages: list[dict], turn: dict, name: str, where) -> None:

@@ -383,3 +383,15 @@ def build_loader(
         # tokenizers' own thread pool cannot survive fork; workers are the parallelism instead
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return Loader(opts, tokenizer, micro_batch_size, sources, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
+
+
+def epoch_rows(opts: DataOptions, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Packed rows of one pass over the training data, counted by reading, tokenizing and packing it all as
+    the loader does (one stream; the last rows flushed partly filled): what `--epochs` turns into steps."""
+    stream = Stream(resolve_sources(opts), opts, tokenizer, 8, 0, 1, 0, epochs=1)
+    n = 0
+    while rows := stream.rows(64):
+        n += len(rows)
+    if not n:
+        raise DataError(f"data: no usable sample in a whole epoch of {opts.data}")
+    return n

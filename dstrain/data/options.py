@@ -14,7 +14,7 @@ from typing import Literal, get_args
 from dstrain.errors import DataError
 from dstrain.fields import add_flags, field_docs
 
-Format = Literal["auto", "text", "chat", "instruction"]
+Format = Literal["auto", "text", "chat", "instruction", "preference"]
 TxtSplit = Literal["paragraph", "line", "document"]
 SftTurns = Literal["all", "last"]
 Think = Literal["last", "all", "none"]
@@ -30,8 +30,9 @@ class DataOptions:
     (`a.jsonl:0.7,b.parquet:0.3`)."""
 
     data_format: Format = "auto"
-    """auto|text|chat|instruction. auto: `messages`/`conversations` -> chat, `instruction` -> instruction,
-    else the text field -> text (pretraining)."""
+    """auto|text|chat|instruction|preference. auto: `chosen` + `rejected` -> preference (pairs for --objective
+    dpo), `messages`/`conversations` -> chat, `instruction` -> instruction, else the text field -> text
+    (pretraining)."""
 
     text_field: str = "text"
     """Column holding the document text for the text format."""
@@ -40,8 +41,8 @@ class DataOptions:
     """Tokenizer folder, tokenizer.json file, hub name, or `deepseek-v3` (the bundled DeepSeek-V3 tokenizer).
     Default: the model checkpoint's own tokenizer, else `deepseek-v3`."""
 
-    seq_len: int = 512
-    """Tokens per packed row."""
+    seq_len: int = 64
+    """Tokens per packed row (the built-in demo's; `dstrain train` and `dstrain data` share it)."""
 
     txt_split: TxtSplit = "paragraph"
     """How .txt files split into documents: paragraph (blank-line separated blocks), line, or document (one

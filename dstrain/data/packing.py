@@ -16,7 +16,8 @@ samples: each round sorts the pool by length, puts every sample in the fullest r
 two copies of one sample in a row), and emits the rows in a seeded random order. Rows filled below
 `CARRY_BELOW` go back into the pool and are packed first in the next round (at most `MAX_AGE` times per
 sample), so the infinite loader never emits the half-empty tail row of an epoch: a data set smaller than the
-pool cycles, one epoch per round, and its leftovers fill the next epoch's rows. Samples are never split.
+pool cycles, one epoch per round, and its leftovers fill the next epoch's rows. Samples are never split; a
+preference pair is one sample of two documents, placed side by side (preference.py).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class BestFitPacker:
                 break
         out = []
         while self.queue and len(out) < n:
-            out.append([(it[3].ids, it[3].targets) for it in self.queue.popleft()])
+            out.append([piece for it in self.queue.popleft() for piece in _pieces(it[3])])
         return out
 
     def state_dict(self) -> dict:
@@ -311,6 +312,10 @@ class BestFitPacker:
             self.queue.append(items_row)
         self.round = state["round"]
         self.deferred = [tuple(x) for x in state["deferred"]]
+
+
+def _pieces(enc) -> list[Piece]:  # noqa: ANN001 - an Encoded, or a PairEncoded (two documents)
+    return enc.pieces() if hasattr(enc, "pieces") else [(enc.ids, enc.targets)]
 
 
 def _key(origin) -> tuple | None:

@@ -101,6 +101,15 @@ def held_out(doc, fraction: float) -> bool:  # noqa: ANN001 - a text or a chat
     return int.from_bytes(digest.digest(), "little") < fraction * 2.0**64
 
 
+def make_sample_encoder(fmt: str, tok, opts: DataOptions):  # noqa: ANN001, ANN201
+    """The encoder of whole samples packed best-fit: chats (SFT) or preference pairs (DPO)."""
+    if fmt == "preference":
+        from .preference import PreferenceEncoder
+
+        return PreferenceEncoder(tok, opts.think)
+    return ChatEncoder(tok, opts.sft_turns, opts.think)
+
+
 class SourceReader:
     """Documents of one source for one consumer, forever (or `epochs` passes), with a resumable position."""
 
@@ -357,7 +366,7 @@ class Stream:
         _, self.pad_id = special_ids(tok)
         self.sft = sources[0].fmt != "text"
         if self.sft:
-            encoder = ChatEncoder(tok, opts.sft_turns, opts.think)
+            encoder = make_sample_encoder(sources[0].fmt, tok, opts)
             self.packer = BestFitPacker(
                 opts.seq_len,
                 encoder,

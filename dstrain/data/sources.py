@@ -63,7 +63,7 @@ class Source:
     files: list[tuple[str, str]] = field(default_factory=list)  # (path, datasets builder)
     hub: tuple[str, str | None, str] | None = None  # (name, config, split)
     n_shards: int = 0
-    fmt: str = ""  # text | chat | instruction, set by detection
+    fmt: str = ""  # text | chat | instruction | preference, set by detection
     columns: list[str] = field(default_factory=list)
 
     def shard_name(self, shard: int) -> str:
@@ -353,6 +353,22 @@ def first_table(src: Source, opts: DataOptions):
     raise DataError(f"data: source {src.spec!r} is empty ({what}, no records)")
 
 
+def check_local_sources(opts: DataOptions) -> None:
+    """Every local source of --data and --eval_data exists and holds data files (DataError otherwise), checked
+    before a run allocates anything; hub data sets are left to the run (asking the hub is slow and may fail
+    for reasons that deserve their own message)."""
+    for spec in filter(None, (opts.data, opts.eval_data)):
+        for one, weight in split_spec(spec):
+            path = os.path.expanduser(one)
+            if (
+                os.path.exists(path)
+                or any(c in one for c in "*?[")
+                or one in BUILTIN
+                or _looks_like_path(one)
+            ):
+                resolve(one, weight)
+
+
 def resolve_sources(opts: DataOptions) -> list[Source]:
     """All sources of `opts.data` with their format detected; the formats must agree on pretrain vs SFT."""
     from .formats import detect_format
@@ -362,8 +378,10 @@ def resolve_sources(opts: DataOptions) -> list[Source]:
         table = first_table(src, opts)
         src.columns = list(table.column_names)
         src.fmt = detect_format(opts.data_format, src.columns, opts.text_field, src.shard_name(0), opts)
-    kinds = {src.fmt == "text" for src in sources}
+    kinds = {src.fmt if src.fmt in ("text", "preference") else "sft" for src in sources}
     if len(kinds) > 1:
         listing = ", ".join(f"{s.spec}={s.fmt}" for s in sources)
-        raise DataError(f"data: cannot mix pretraining text with chat/instruction sources ({listing})")
+        raise DataError(
+            f"data: cannot mix pretraining text, chat/instruction and preference sources ({listing})"
+        )
     return sources

@@ -33,8 +33,8 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
 
 Approximated or not modelled: routing is balanced (uneven expert loads change the rows per rank), plain
 causal rows (packed documents add a (B, 1, T, T) mask where SDPA runs them: CUDA without a varlen kernel),
-sequence parallelism only divides the tokens, LoRA is estimated as a full fine-tune, torch.compile as
-eager, and the rope tables, biases and routing counts (well under 1%) are left out.
+sequence parallelism only divides the tokens, LoRA's trained share as spread over the layers like the
+parameters, torch.compile as eager, and the rope tables, biases and routing counts (well under 1%) are left out.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dstrain.model import ModelConfig
 from dstrain.model.common.dsa import SCORE_ELEMENTS
 from dstrain.model.common.experts import CPU_GROUP_ROWS
 from dstrain.model.common.kernels import CPU_NATIVE_BF16
-from dstrain.model.common.loss import CHUNK_ELEMENTS, CHUNK_ROWS
+from dstrain.model.common.loss import chunk_rows
 from dstrain.parallel import ParallelDims
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ CUDA_RESERVE = 2 * GIB
 """Per GPU beyond live tensors: the CUDA context and kernels (~0.5-1 GiB), NCCL's buffers, fragmentation."""
 CHECKPOINTING = ("none", "mlp", "attention", "full")
 
-PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + AdamW / Muon)", "gradients"
+PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + moments)", "gradients"
 ACTS, WORK, BUCKETS = "activations", "working memory", "communication buckets"
 GATHERED, RESERVE = "gathered ZeRO-3 parameters", "CUDA context, NCCL, fragmentation"
 
@@ -90,6 +90,10 @@ class Workload:
     optimizer: str = "adamw"
     """adamw: two fp32 moments per parameter; muon: one momentum buffer for the hidden matrices (AdamW's two
     for the embedding, the head and the vectors), and each matrix gathered whole in fp32 while it steps."""
+    trainable: float = 1.0
+    """The share of the model's elements that train (LoRA: its adapters, and the routers / MTP if they train):
+    gradients, optimizer states and the step scale with it; the frozen base weights are held (and ZeRO-3
+    partitions them) but get neither. Taken as spread over the layers like the parameters."""
 
     @classmethod
     def of(cls, plan: RunPlan) -> Workload:
@@ -108,10 +112,33 @@ class Workload:
             pp_partition=o.layout.pp_partition,
             dsa_stage=o.model.dsa_stage,
             optimizer=o.optimizer.optimizer,
+            trainable=_share(trainable_counts(plan.model, o.lora, o.model.dsa_stage))
+            if o.lora.lora_r > 0
+            else 1.0,
         )
 
     def replace(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)
+
+
+def _share(counts: tuple[int, int, list[str]]) -> float:
+    return counts[0] / counts[1]
+
+
+def trainable_counts(cfg: ModelConfig, lora: Any, dsa_stage: str | None) -> tuple[int, int, list[str]]:
+    """(elements that train, all elements, the LoRA-adapted module names) of a run with the LoRA options
+    `lora` and the resolved sparse-attention stage, marked on a meta-device copy of the model by the
+    functions the run's own build calls (apply_lora, set_trainable)."""
+    from dstrain.model import build_model
+    from dstrain.model.common.lora import apply_lora, set_trainable
+
+    model = build_model(cfg, device="meta")
+    names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets) if lora.lora_r > 0 else []
+    set_trainable(
+        model, bool(lora.train_router), bool(lora.train_mtp), dsa_stage if cfg.sparse_attention else None
+    )
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total, names
 
 
 @dataclass
@@ -245,7 +272,7 @@ class _Shapes:
         one chunk's logits and their fp32 log-softmax (from an fp32 copy of bf16 logits) and the flat input."""
         c, n, a = self.cfg, self.n, self.a
         d, v = c.hidden_size, c.vocab_size
-        rows = min(n, max(CHUNK_ROWS, CHUNK_ELEMENTS // v))
+        rows = min(n, chunk_rows(v, not self.cpu))
         chunk = rows * v * (a + 4 + (4 if a == 2 else 0)) + n * d * a
         return Layer(name, saved=n * d * a + v * d * a, forward=chunk, backward=3 * n * d * a)
 
@@ -434,6 +461,7 @@ class _Stage:
         self.params = sum(x.params for x in layers)
         self.dense, self.experts = sum(x.dense for x in layers) / d.dp, sum(x.experts for x in layers) / d.edp
         self.part = self.dense + self.experts  # this rank's ZeRO partition (elements)
+        self.f = self.w.trainable  # the share with gradients and optimizer states
         muon = self.w.optimizer == "muon"
         self.muon_held = sum(x.muon for x in layers) if muon else 0  # the Muon elements this stage holds
         self.muon = sum(x.muon - x.experts for x in layers) / d.dp + self.experts if muon else 0.0  # its part
@@ -455,11 +483,12 @@ class _Stage:
             out[PARAMS] = self.params * a
         states = part * 12 if w.stage >= 1 else self.params * (12 if a == 2 else 8)
         states -= 4 * (self.muon if w.stage >= 1 else self.muon_held)  # Muon: one fp32 buffer, not two
+        states *= self.f
         out[STATES] = 0 if z.offload_optimizer else states
         host += states if z.offload_optimizer else 0
         if w.stage == 3:  # the flat gradient partition and the reduce bucket
-            out[GRADS] = 0 if z.offload_optimizer else part * a
-            host += part * 4 if z.offload_optimizer else 0
+            out[GRADS] = 0 if z.offload_optimizer else part * a * self.f
+            host += part * 4 * self.f if z.offload_optimizer else 0
             out[BUCKETS] = z.bucket * a
         return out, host
 
@@ -505,7 +534,8 @@ class _Stage:
         w, z, a, d = self.w, self.z, self.a, self.w.dims
         holds_all = d.pp > 1 or w.stage == 0 or (w.stage == 1 and (w.grad_accum > 1 or not z.overlap))
         keeps = (w.stage == 2 or (w.stage == 1 and z.overlap)) and not z.offload_optimizer
-        return self.params * a, holds_all, self.part * a if keeps and not holds_all else 0.0
+        every, partition = self.params * a * self.f, self.part * a * self.f
+        return every, holds_all, partition if keeps and not holds_all else 0.0
 
     def _buckets(self) -> float:
         """ZeRO-1/2's reduce buckets: allocated at the first gradient, freed after the optimizer step."""
@@ -525,16 +555,17 @@ class _Stage:
         held = every if holds_all and accumulates else 0.0
         reduced = float(z.bucket) if accumulates else 0.0
         worst: dict[str, float] = {}
+        f = self.f
         for x in reversed(self.layers):
-            grads = held + x.params * a + (partition if reduced >= z.bucket else 0)
+            grads = held + x.params * a * f + (partition if reduced >= z.bucket else 0)
             now = {ACTS: remaining, WORK: x.backward, GRADS: grads}
             worst = now if sum(now.values()) >= sum(worst.values()) else worst
             remaining -= 0 if retains else x.saved
-            held += x.params * a if holds_all and not accumulates else 0
-            reduced += x.params
+            held += x.params * a * f if holds_all and not accumulates else 0
+            reduced += x.params * f
         if retains:
-            x = max(self.layers, key=lambda x: x.backward + x.params * a)
-            now = {ACTS: remaining, WORK: x.backward, GRADS: held + x.params * a}
+            x = max(self.layers, key=lambda x: x.backward + x.params * a * f)
+            now = {ACTS: remaining, WORK: x.backward, GRADS: held + x.params * a * f}
             worst = now if sum(now.values()) > sum(worst.values()) else worst
         return {**worst, BUCKETS: self._buckets(), GATHERED: self.gathered()}
 
@@ -546,16 +577,16 @@ class _Stage:
         w, z, a = self.w, self.z, self.a
         out = {}
         if w.stage >= 1 and not z.offload_optimizer:
-            group = max(self.dense, self.experts) if w.dims.ep > 1 else self.part
+            group = (max(self.dense, self.experts) if w.dims.ep > 1 else self.part) * self.f
             group = min(group, z.sub_group) if w.stage == 3 else group
-            grads = self.part * a if w.stage < 3 else 0  # ZeRO-3's partition is static
+            grads = self.part * a * self.f if w.stage < 3 else 0  # ZeRO-3's partition is static
             # Muon: the gathered matrix, its update and Newton-Schulz's temporaries, fp32
             out["optimizer step"] = {
                 GRADS: grads,
                 WORK: group * (a + (4 if a == 2 else 0)) + 12 * self.largest,
             }
         if w.stage in (1, 2) and w.device == "cpu":
-            out["parameter all-gather"] = {BUCKETS: self.params * a}
+            out["parameter all-gather"] = {BUCKETS: self.params * a * self.f}
         return out
 
     def peak(self) -> tuple[dict[str, float], str, float]:

@@ -175,8 +175,8 @@ def report(plan: RunPlan, w: Workload, capacity_gib: float, top: int) -> list[st
         f"layout: {describe(w)}",
     ]
     if plan.opts.lora.lora_r:
-        lines.append("note: LoRA is estimated as a full fine-tune (an upper bound: frozen weights need neither "
-                     "gradients nor optimizer states)")  # fmt: skip
+        lines.append(f"LoRA r {plan.opts.lora.lora_r}: {w.trainable:.3%} of the parameters train (gradients and "
+                     "optimizer states for those only; the frozen weights are held)")  # fmt: skip
     lines += [
         "",
         f"{'per rank (the largest; peak in ' + est.phase + ')':<48}{'GiB':>8}",
@@ -228,6 +228,10 @@ def _rows(options: list[Option], world: int) -> list[str]:
 
 
 def run(args: PlanArgs) -> int:
+    import torch
+
+    if not torch.cuda.is_available():  # planning needs no accelerator: DeepSpeed need not look for one
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plan, w = gpu_plan(args.opts, args.num_gpus)
     print("\n".join(report(plan, w, args.gpu_memory_gb, args.top)), flush=True)
     return 0

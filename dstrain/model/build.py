@@ -44,8 +44,24 @@ def build_model(
         init_weights(model, seed)
     dtype = parse_dtype(dtype)
     if dtype is not None:
-        model.to(dtype)
+        cast(model, dtype)
     return model
+
+
+def cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for floating parameters and buffers, except those the model's family keeps in fp32
+    (DeepSeek-V4's mHC weights, sinks and position biases, every expert bias), which stay fp32."""
+    keeps_fp32 = family_of(model.config).keeps_fp32
+    for prefix, m in model.named_modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                want = torch.float32 if keeps_fp32(f"{prefix}.{name}" if prefix else name) else dtype
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(want)  # the same Parameter: ties and attributes stay
+                else:
+                    table[name] = t.to(want)
 
 
 def _checkpoint_dtype(path: str) -> torch.dtype | None:

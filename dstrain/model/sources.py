@@ -177,7 +177,7 @@ class Weights:
             except ValueError:
                 self.reader.close()
                 raise
-            if any(k.startswith("mtp.") for k in self.missing):
+            if any(k.startswith("mtp.") for k in self.missing):  # a run turns MTP off first (config/plan.py)
                 log.warning(
                     "%s has no MTP weights (num_nextn_predict_layers=%d): MTP modules are initialised fresh",
                     self.reader.path,

@@ -23,6 +23,28 @@ def counted_here(param: torch.Tensor, g: Groups) -> bool:
     return g.tp_rank == 0 or hasattr(param, "tp_shard")
 
 
+# Elements per block of a gradient reduced in fp32: fp32 sums over whole million-element tensors are 1e-4 off
+# (a CPU's vectorized reduction adds each lane's elements in sequence), blocks of 2048 ~1e-7.
+NORM_BLOCK = 2048
+
+
+def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ‖g‖² in float64 without a float64 (or fp32) copy of any gradient: each tensor read once in its own dtype,
+    blocks of NORM_BLOCK elements accumulated in fp32, only the per-block norms combined in float64."""
+    parts = []
+    for grad in grads:
+        flat = grad.detach().reshape(-1)
+        whole = flat.numel() - flat.numel() % NORM_BLOCK
+        if whole:
+            blocks = flat[:whole].view(-1, NORM_BLOCK)
+            parts.append(torch.linalg.vector_norm(blocks, dim=1, dtype=torch.float32))
+        if whole < flat.numel():
+            parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1))
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.cat([p.to(parts[0].device) for p in parts]).double().square().sum()
+
+
 def local_sum_of_squares(optimizer: Any, g: Groups) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=optimizer.device)
     for i in range(len(optimizer.bit16_groups)):
@@ -37,9 +59,8 @@ def local_sum_of_squares(optimizer: Any, g: Groups) -> torch.Tensor:
         grads = [x for x in grads if not getattr(x, "_zero_padding", False)]
         params = optimizer.params_in_partition[i]
         assert len(grads) in (len(params), len(params) + 1), (len(grads), len(params))
-        for grad, param in zip(grads, params, strict=False):
-            if counted_here(param, g):
-                total += grad.detach().double().pow(2).sum().to(total.device)
+        counted = [grad for grad, param in zip(grads, params, strict=False) if counted_here(param, g)]
+        total += sum_of_squares(counted).to(total.device)
     return total
 
 

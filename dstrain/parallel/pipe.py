@@ -8,7 +8,8 @@ and, with MTP, the embeddings of the inputs extended by the MTP depth (the last 
 embeddings of the tokens ahead; padding token 0 exactly as the single-device model pads); and, where GLM-5's
 shared sparse-attention layers reuse an earlier layer's key selection, the latest selection (int64: a shared
 layer may start a stage). Labels travel as
-(labels, global target counts of the step). The Tail holds the final norm, head and MTP modules; DeepSpeed
+(labels, global target counts of the step[, what else the objective reads: DPO's target documents]). The
+Tail holds the final norm, head and MTP modules; DeepSpeed
 calls its `loss`, which runs the model's own `finish` (so losses and loads are the single-device model's, MTP
 and aux included) and the objective the pipeline was built with. DeepSeek-V4 travels the same way: its streams (B, T, n, D) as
 the hidden states, its token ids for the hash layers, its HC head with the Tail. The pipeline module hands the trainer each
@@ -28,7 +29,8 @@ from torch import nn
 from dstrain.model import DeepSeekLM, ModelOutput
 from dstrain.model.build import materialize
 
-Objective = Callable[[ModelOutput, torch.Tensor], torch.Tensor]  # (output, global target counts) -> loss
+# (output, global target counts, what else travelled with the labels) -> loss
+Objective = Callable[..., torch.Tensor]
 
 
 class _Context:
@@ -164,7 +166,7 @@ class Tail(nn.Module):
         self, outputs: tuple[torch.Tensor, ...], labels: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         h, pos, aux, load, ext, _, ids = self.acts.unpack(outputs)
-        labels, n_global = labels
+        labels, n_global, *extra = labels  # extra: DPO's target documents (per-position losses wanted)
         t = h.shape[1]
         ctx = self._ctx(pos, ids)
         layout = ctx[-1]
@@ -174,8 +176,12 @@ class Tail(nn.Module):
             return ext[:, k : k + t]
 
         loads = load.to(torch.float32) if load is not None else None
-        out = self._lm.finish(h, ahead, *ctx, pos, labels, aux, loads, return_logits=False)
-        loss = self.objective(out, n_global) + 0.0 * aux  # aux always gets a gradient, even with alpha = 0
+        more = {"token_losses": True} if extra else {}
+        out = self._lm.finish(h, ahead, *ctx, pos, labels, aux, loads, return_logits=False, **more)
+        # aux always gets a gradient, even with alpha = 0
+        loss = self.objective(out, n_global, *extra) + 0.0 * aux
+        if ext is not None:  # so do the embeddings ahead with the MTP loss off (λ = 0: DPO's default)
+            loss = loss + 0.0 * ext.sum()
         main = len(self._lm.layers)
         for layer, stats in layout.stats.items():
             if layer >= main:  # the MTP blocks' (the main blocks counted themselves)

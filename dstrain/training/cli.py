@@ -3,7 +3,9 @@ the command-line policy of `dstrain.cli`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 import warnings
@@ -37,6 +39,15 @@ def quiet_libraries(debug: bool, rank: int) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed.*")
     warnings.filterwarnings("ignore", message=".*TORCH_CUDA_ARCH_LIST.*")
+
+
+def count(n: float) -> str:
+    """Parameters for people: 950, 12.3K, 4.56M, 671B."""
+    for unit in ("", "K", "M"):
+        if n < 1000:
+            return f"{n:.0f}" if not unit else f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}B"
 
 
 def size(n: float) -> str:
@@ -73,6 +84,8 @@ def run(opts: Options) -> int:
         # Everything that needs no process group and allocates nothing comes first: a mistake is one line,
         # and every rank makes it alike.
         plan = prepare(opts)
+        if opts.schedule.epochs is not None:
+            plan = prepare(steps_of_epochs(plan))
     except UserError as exc:
         exc.all_ranks = True
         raise
@@ -84,6 +97,52 @@ def run(opts: Options) -> int:
         raise watchdog.report(exc) from exc
     finally:
         dist.shutdown()
+
+
+def steps_of_epochs(plan: RunPlan) -> Options:
+    """--epochs -> the options with the steps they make: one pass's packed rows counted (every rank counts the
+    same rows; rank 0 says what it found), times the epochs, over the global batch's rows, rounded up."""
+    from dstrain.data import epoch_rows, load_tokenizer
+
+    opts, t0 = plan.opts, time.perf_counter()
+    rows = epoch_rows(opts.data, load_tokenizer(opts.data.tokenizer, plan.model_folder))
+    steps = math.ceil(opts.schedule.epochs * rows / plan.global_batch_rows)
+    if dist.env_rank() == 0:
+        print(
+            f"dstrain: --epochs {opts.schedule.epochs:g}: one pass is {rows} rows of {opts.data.seq_len} tokens "
+            f"= {rows / plan.global_batch_rows:.1f} steps of {plan.global_batch_rows} rows -> {steps} steps "
+            f"(counted in {time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
+    schedule = dataclasses.replace(opts.schedule, max_steps=steps)
+    # given, so that a DeepSpeed file's total_num_steps does not replace the count
+    return dataclasses.replace(opts, schedule=schedule, given=opts.given | {"max_steps"})
+
+
+def what_trains(plan: RunPlan) -> str:
+    """The run's line on what trains: parameters that train and their share, the LoRA modules matched per
+    target, the routers and MTP, the sparse-attention stage (and what `auto` resolved to)."""
+    from collections import Counter
+
+    from dstrain.memory.estimate import trainable_counts
+
+    opts = plan.opts
+    trains, total, adapted = trainable_counts(plan.model, opts.lora, opts.model.dsa_stage)
+    parts = [f"trains {count(trains)} of {count(total)} parameters ({trains / total:.2%})"]
+    if adapted:
+        matched = Counter(name.rpartition(".")[2] for name in adapted)
+        parts.append(
+            f"LoRA r {opts.lora.lora_r} on {len(adapted)} modules ("
+            + ", ".join(f"{k} {n}" for k, n in matched.items())
+            + ")"
+        )
+    parts.append(f"routers {'train' if opts.lora.train_router else 'frozen'}")
+    if plan.model.num_nextn_predict_layers:
+        parts.append(f"MTP {'trains' if opts.lora.train_mtp else 'frozen'}")
+    if plan.model.sparse_attention:
+        how = "" if "dsa_stage" in opts.given else " (--dsa_stage auto)"
+        parts.append(f"sparse attention stage {opts.model.dsa_stage}{how}")
+    return "dstrain: " + "; ".join(parts)
 
 
 def train(plan: RunPlan) -> int:
@@ -105,7 +164,9 @@ def train(plan: RunPlan) -> int:
     say(
         f"dstrain: {model} on {info.world_size} x {info.device.type} ({info.backend}), "
         f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, {opts.optimizer.optimizer}, "
-        f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps",
+        f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps, "
+        f"lr {opts.schedule.lr:g} -> {opts.schedule.min_lr:g}"
+        + ("" if plan.lr_origin == "given" else f" ({plan.lr_origin}; --lr sets another)"),
         flush=True,
     )
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
@@ -122,6 +183,7 @@ def train(plan: RunPlan) -> int:
         say(f"dstrain: --resume auto: no complete checkpoint in {output_dir}, starting fresh")
     elif resume is not None:
         say(f"dstrain: resuming from {resume}")
+    say(what_trains(plan))
     trainer = Trainer(plan, info, resume_path=resume)
     trainer.setup()
     if "bytes_read" in trainer.load_stats:  # loaded from a folder (a fresh model has only bytes_drawn)

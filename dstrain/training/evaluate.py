@@ -8,7 +8,9 @@ The figures are sums over the world divided by global counts, so they are the sa
 summation order): the token-mean LM loss over the eval set, its perplexity, the token-mean MTP loss of each
 depth and MTP depth 1's draft acceptance (the share of its targets that its top-1 token hits); with sparse
 attention the indexers' dense KL against the main attention and their recall (the main attention's mass inside
-the chosen keys).
+the chosen keys). Under --objective dpo also DPO's figures over the eval set's pairs (dpo.py, the adapters-off
+reference run beside each policy forward; a pipeline runs a reference pass first): `eval_dpo_loss`,
+`eval_pairs` and TRL's `eval_rewards/...`, `eval_logps/...`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from dstrain.batch import IGNORE_INDEX
 
+from .dpo import DPO
 from .objective import StepStats
 
 
@@ -52,22 +55,35 @@ class Evaluator:
         device: torch.device,
         weight: float,
         indexer_weight: float,
+        dpo: DPO | None = None,
+        n_docs: list[int] | None = None,
     ) -> None:
+        """`dpo`: a DPO run's objective, the `batches` numbered by dpo.number on whole rows (`n_docs`)."""
         self.batches, self.depth, self.device = batches, mtp_depth, device
         self.weight, self.indexer_weight = weight, indexer_weight
+        self.dpo, self.n_docs = dpo, n_docs
 
-    def run(self, engine: Any, moe_layers: list[int], experts: int | None, pipe: bool) -> dict[str, Any]:
+    def run(
+        self, engine: Any, moe_layers: list[int], experts: int | None, pipe: bool, model: Any = None
+    ) -> dict[str, Any]:
+        """The eval figures; `model` (the engine's model, its adapters switched off for DPO's reference)."""
         t0 = time.perf_counter()
         stats = StepStats(self.depth, self.device, self.weight, self.indexer_weight)
         dev = self.device
+        dpo = self.dpo
+        if dpo is not None:
+            dpo.begin_eval(self.n_docs, dev)
+        ones = torch.ones(1 + self.depth, device=dev)  # the objective's counts: unused without backward
         if pipe:
-            ones = torch.ones(1 + self.depth, device=dev)  # the objective's counts: unused without backward
 
             def feed(b: dict[str, torch.Tensor]) -> tuple:
                 return (b["input_ids"].to(dev), b["position_ids"].to(dev)), (b["labels"].to(dev), ones)
 
+            data = [feed(b) for b in self.batches]
+            if dpo is not None:  # the reference pass; each target's document travels with the labels
+                data = dpo.pipe_reference(engine, model, self.batches, data, len(data))
             engine.eval_batch(
-                iter([feed(b) for b in self.batches]),
+                iter(data),
                 compute_loss=True,
                 bcast_loss=False,
                 reduce_output=None,
@@ -80,9 +96,13 @@ class Evaluator:
             engine.eval()
             try:
                 with torch.no_grad():
-                    for b in self.batches:
+                    for i, b in enumerate(self.batches):
                         b = {k: v.to(dev) for k, v in b.items()}
-                        stats.add(engine(**b))
+                        if dpo is not None:
+                            out, _ = dpo.micro(engine, model, b, i, ones)
+                        else:
+                            out = engine(**b)
+                        stats.add(out)
             finally:
                 engine.train()
         red = stats.all_reduced(moe_layers, experts)
@@ -98,4 +118,20 @@ class Evaluator:
             "eval_tokens": int(counts[0]),
             "eval_time_s": time.perf_counter() - t0,
             **indexer,
+            **(dpo.eval_figures() if dpo is not None else {}),
         }
+
+
+def eval_line(rec: dict[str, Any]) -> str:
+    """The console line of an eval record."""
+    mtp = (
+        f", mtp loss {rec['eval_mtp_loss'][0]:.4f}, mtp acc {100 * rec['eval_mtp_acc']:.1f}%"
+        if rec["eval_mtp_loss"]
+        else ""
+    )
+    if rec.get("eval_rewards/margins") is not None:
+        mtp += f", margin {rec['eval_rewards/margins']:.4f}, acc {100 * rec['eval_rewards/accuracies']:.1f}%"
+    return (
+        f"eval step {rec['step']}: loss {rec['eval_loss']:.4f}, ppl {rec['eval_ppl']:.2f}{mtp} "
+        f"({rec['eval_tokens']} tokens, {rec['eval_time_s']:.1f} s)"
+    )

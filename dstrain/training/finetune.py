@@ -6,8 +6,7 @@ from __future__ import annotations
 from dstrain.config.options import LoRAOptions
 from dstrain.errors import ConfigError
 from dstrain.model import DeepSeekLM
-from dstrain.model.common.layers import Router
-from dstrain.model.common.lora import LoRARouter, apply_lora, is_lora_key, lora_modules
+from dstrain.model.common.lora import apply_lora, set_trainable
 
 
 def apply_finetune_options(
@@ -28,22 +27,7 @@ def apply_finetune_options(
             names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets, seed=seed)
         except ValueError as exc:
             raise ConfigError(f"--lora_targets {lora.lora_targets}: {exc}") from None
-    adapted = {
-        id(p) for m in lora_modules(model).values() for n, p in m.named_parameters() if not is_lora_key(n)
-    }
-    for p in model.mtp.parameters():
-        if id(p) not in adapted:  # a LoRA base weight stays frozen whatever train_mtp says
-            p.requires_grad = lora.train_mtp
-    for router in model.modules():  # every gate: V4's hash layers' too (routers() lists the biased ones)
-        if isinstance(router, Router) and not isinstance(router, LoRARouter):
-            router.weight.requires_grad = lora.train_router
-    indexers = {id(p) for indexer in model.indexers() for p in indexer.parameters()}
-    if dsa_stage == "dense":
-        for p in model.parameters():
-            p.requires_grad = p.requires_grad and id(p) in indexers
-    elif dsa_stage == "frozen":
-        for p in model.parameters():
-            p.requires_grad = p.requires_grad and id(p) not in indexers
+    set_trainable(model, bool(lora.train_router), bool(lora.train_mtp), dsa_stage)
     if names:
         model.lora_settings.update(
             train_router=bool(lora.train_router),

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dstrain import dist
-from dstrain.batch import target_mask
+from dstrain.batch import host_to_device, target_mask
 from dstrain.model import ModelConfig, ModelOutput, combine_losses
 
 
@@ -69,11 +69,14 @@ class Reduced(NamedTuple):
     hits: torch.Tensor
     indexer: torch.Tensor
     """Sparse attention: [KL sum, queries, recall sum, queries counted for recall] (dsa.PassResult)."""
+    extra: torch.Tensor | None = None
+    """The sums of `all_reduced`'s `extra` values (the trainer's preemption flags), or None."""
 
-    def indexer_figures(self) -> dict[str, float | None]:
+    def indexer_figures(self, values: list[float] | None = None) -> dict[str, float | None]:
         """indexer_loss: the indexers' KL, mean over layers and queries; indexer_recall: the share of the
-        main attention's mass inside the selected keys (where the target was dense); {} without indexers."""
-        kl, rows, recall, recall_rows = (float(x) for x in self.indexer)
+        main attention's mass inside the selected keys (where the target was dense); {} without indexers.
+        `values`: `indexer` already read to the host (with the step's other figures)."""
+        kl, rows, recall, recall_rows = values if values is not None else (float(x) for x in self.indexer)
         if not rows:
             return {}
         return {"indexer_loss": kl / rows, "indexer_recall": recall / recall_rows if recall_rows else None}
@@ -122,9 +125,11 @@ class StepStats:
         if stats is not None:
             self.indexer += stats.to(self.indexer.device)
 
-    def all_reduced(self, moe_layers: list[int], experts: int | None) -> Reduced:
+    def all_reduced(
+        self, moe_layers: list[int], experts: int | None, extra: torch.Tensor | None = None
+    ) -> Reduced:
         """The sums over the world, in one all-reduce (every rank takes part, with zeros where it saw no
-        outputs)."""
+        outputs); `extra` (float64 values of every rank, unweighted) is summed in the same all-reduce."""
         w, depth = self.weight, self.mtp.numel()
         load = self.load
         if load is None and moe_layers:
@@ -135,9 +140,26 @@ class StepStats:
             parts.append(load.flatten())
         parts = [x * w for x in parts]
         parts.insert(0, self.indexer * self.indexer_weight)
+        more = 0 if extra is None else extra.numel()
+        if extra is not None:
+            parts.append(host_to_device(extra.to(torch.float64), self.lm.device))
         stats = dist.all_reduce(torch.cat(parts))
-        indexer, lm, mtp, aux, counts, hits, g_load = stats.split(
-            [4, 1, depth, 1, 1 + depth, 1, stats.numel() - 8 - 2 * depth]
+        indexer, lm, mtp, aux, counts, hits, g_load, summed = stats.split(
+            [4, 1, depth, 1, 1 + depth, 1, stats.numel() - 8 - 2 * depth - more, more]
         )
         g_load = g_load.view(load.shape) if load is not None else None
-        return Reduced(lm[0], mtp, aux[0], g_load, counts, hits[0], indexer)
+        return Reduced(
+            lm[0], mtp, aux[0], g_load, counts, hits[0], indexer, summed if extra is not None else None
+        )
+
+
+def read_once(device: torch.device, **parts: torch.Tensor | None) -> dict[str, list[float]]:
+    """The step's figures in one device-to-host read (one host sync): each part's values as floats (float64
+    holds the counts exactly), [] for a part that is None."""
+    flat = {k: v.detach().reshape(-1).to(device, torch.float64) for k, v in parts.items() if v is not None}
+    values = torch.cat(list(flat.values())).tolist() if flat else []
+    out, at = {}, 0
+    for k, v in parts.items():
+        size = flat[k].numel() if v is not None else 0
+        out[k], at = values[at : at + size], at + size
+    return out

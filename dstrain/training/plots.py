@@ -218,6 +218,37 @@ def _indexer(train: list[dict], evals: list[dict], title: str) -> Figure | None:
     return fig
 
 
+def _rewards(train: list[dict], evals: list[dict], title: str) -> Figure | None:
+    """--objective dpo: the reward margin (train, eval) and the share of pairs ranked right; None for another
+    objective's run."""
+    if not any(_finite(r.get("rewards/margins")) is not None for r in train):
+        return None
+    fig, ax = _figure(title)
+    right = ax.twinx()
+    curves = (
+        (ax, "rewards/margins", "C0", "margin", "-"),
+        (right, "rewards/accuracies", "C3", "accuracy", "--"),
+    )
+    for axis, key, color, what, ls in curves:
+        xs, ys = _xy(train, "step", key)
+        smooth = len(ys) >= SMOOTH_FROM  # a step's figures over a few pairs are noisy
+        if smooth:
+            axis.plot(xs, ys, color=color, lw=1, alpha=0.3, ls=ls)
+            ys = _smooth(ys)
+        _line(axis, xs, ys, color=color, ls=ls, label=f"train {what}" + (" (smoothed)" if smooth else ""))
+        ex, ey = _xy(evals, "step", f"eval_{key}")
+        if ey:
+            axis.plot(ex, ey, "o-", color=color, lw=1.5, ms=5, label=f"eval {what}")
+    ax.axhline(0.0, color="grey", lw=0.8)  # the reference's margin: every reward is 0 at step 1
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward margin (chosen − rejected)", color="C0")
+    right.set_ylabel("accuracy (share of pairs ranked right)", color="C3")
+    right.set_ylim(0, 1.02)
+    lines = [line for line in ax.get_lines() + right.get_lines() if not line.get_label().startswith("_")]
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower right")
+    return fig
+
+
 def _expert_load(rows: list[dict], title: str) -> Figure | None:
     rows = [r for r in _latest(rows) if isinstance(r.get("layers"), dict)]
     has = {k for r in rows for k, v in r["layers"].items() if isinstance(v, list) and v}
@@ -256,7 +287,8 @@ def _expert_load(rows: list[dict], title: str) -> Figure | None:
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    """Write loss, lr, grad_norm, throughput (and expert_load when recorded) PNGs into RUN_DIR/plots/."""
+    """Write loss, lr, grad_norm, throughput (and expert_load, indexer, DPO's rewards when recorded) PNGs into
+    RUN_DIR/plots/."""
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     rows = _rows(path) if path.is_file() else []
@@ -273,6 +305,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         "grad_norm": _grad_norm(train, f"Gradient norm · {name}"),
         "throughput": _throughput(train, f"Training speed · {name}"),
         "indexer": _indexer(train, evals, f"Sparse attention indexers · {name}"),
+        "rewards": _rewards(train, evals, f"DPO rewards · {name}"),
     }
     load = run_dir / EXPERT_LOAD_FILE
     if load.is_file():

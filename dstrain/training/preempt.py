@@ -1,8 +1,9 @@
 """Stopping cleanly before a scheduler kills the job: SIGTERM / SIGUSR1 (what SLURM's `--signal` and
 Kubernetes send first) or --time_limit.
 
-A signal only sets a flag; after each optimizer step the ranks agree (one all-reduce of the flags), so every
-rank stops after the same step even when one rank alone was signalled. The trainer then writes a complete
+A signal only sets a flag; after each optimizer step the ranks agree (the flags summed in the step's own
+all-reduce of its figures and read with them; a collective of their own after a step that saves or
+evaluates), so every rank stops after the same step even when one rank alone was signalled. The trainer then writes a complete
 checkpoint and the process exits with PREEMPTED_EXIT_CODE, which `launch/slurm.sbatch` turns into a requeue.
 Further signals are ignored from then on: the save finishes, and a kill that still comes (SIGKILL after the
 grace period) leaves a checkpoint without its COMPLETE marker, which no resume loads.
@@ -37,6 +38,7 @@ class Preemption:
         self.reason: str | None = None
         self.save_s = 0.0  # the longest save so far: what stopping before the deadline must leave room for
         self._previous: dict[int, Any] = {}
+        self._agreed: bool | None = None  # decided in the step's own read (`agree`): no collective of its own
 
     def start(self) -> None:
         for name in SIGNALS:
@@ -59,11 +61,27 @@ class Preemption:
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         self.received = self.received or signal.Signals(signum).name
 
+    def local_flags(self, step_time_s: float) -> torch.Tensor:
+        """This rank's [signalled, out of time] (float64): summed over the ranks in the trainer's one
+        all-reduce of the step, and read with its figures (`agree`), instead of a collective and a host sync
+        of its own after every step."""
+        late = self.deadline is not None and time.monotonic() + 2 * step_time_s + self.save_s > self.deadline
+        return torch.tensor([float(self.received is not None), float(late)], dtype=torch.float64)
+
+    def agree(self, summed: list[float]) -> None:
+        """The world's sums of `local_flags`: the next `should_stop` answers from them."""
+        self._agreed = self._decide(summed[0] > 0, summed[1] > 0)
+
     def should_stop(self, step_time_s: float) -> bool:
         """Whether any rank was signalled, or the next step and a save would not fit before --time_limit."""
-        late = self.deadline is not None and time.monotonic() + 2 * step_time_s + self.save_s > self.deadline
-        flags = torch.tensor([float(self.received is not None), float(late)], device=self.device)
+        if self._agreed is not None:
+            agreed, self._agreed = self._agreed, None
+            return agreed
+        flags = self.local_flags(step_time_s).to(self.device, torch.float32)
         signalled, out_of_time = (bool(x) for x in dist.all_reduce(flags, torch.distributed.ReduceOp.MAX))
+        return self._decide(signalled, out_of_time)
+
+    def _decide(self, signalled: bool, out_of_time: bool) -> bool:
         if signalled:
             self.reason = self.received or "a signal to another rank"
         elif out_of_time:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as tdist
 
 from dstrain import dist
-from dstrain.batch import sequence_halo, sequence_shard
+from dstrain.batch import host_to_device, sequence_halo, sequence_shard, to_device
 from dstrain.checkpoint import store
 from dstrain.checkpoint.reshard import optimizer_progress
 from dstrain.config.plan import RunPlan
@@ -27,9 +27,11 @@ from dstrain.model.registry import model_class
 
 from . import objective, optimizer, watchdog
 from .build import build_for_training
-from .evaluate import Evaluator, local_batches
+from .collapse import CollapseWatch
+from .dpo import DPO
+from .evaluate import Evaluator, eval_line, local_batches
 from .metrics import Display, MetricsSink, Profiler, RunLog, device_peak_tflops, finite_or_none
-from .objective import LossWeights, StepStats, count_targets
+from .objective import LossWeights, StepStats, count_targets, read_once
 from .preempt import Preemption
 from .schedule import make_scheduler_factory
 
@@ -68,8 +70,10 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.eval_history: list[dict[str, Any]] = []
         self.step_load: torch.Tensor | None = None  # the last step's global expert loads (MoE layers, E)
+        self.collapse = CollapseWatch(plan.model.n_routed_experts, plan.model.num_experts_per_tok)
         self.ga = plan.opts.layout.gradient_accumulation_steps
         self._stage0_norm = 0.0
+        self.step_preemption: Preemption | None = None  # set by run() for a step that checks it in its read
         _, _, self.tp_rank = self.dims.coords(info.rank)
         self.data_rank, self.sp_rank = self.dims.data_coords(info.rank)  # sequence-parallel ranks share data
         self.groups: Any = None
@@ -79,6 +83,12 @@ class Trainer:
         self.weights = LossWeights.of(self.cfg)
         # micro_loss's `scale`: undoes DeepSpeed's 1/GA and its average over data-parallel ranks
         self.scale = float(self.ga * self.dims.dp)
+        # --objective dpo: the loss of preference pairs (dpo.py) in place of the targets' mean cross-entropy
+        self.dpo = (
+            DPO(plan.opts.objective, self.scale, self.weights, self.sp_rank, self.tp_rank)
+            if plan.opts.objective.objective == "dpo"
+            else None
+        )
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -93,10 +103,11 @@ class Trainer:
             self.eval_rows = build_eval_rows(opts.data, self._tokenizer())
         if self.eval_rows is not None:
             micro = opts.layout.micro_batch_size
-            batches = [
-                self._shard(b) for b in local_batches(self.eval_rows, micro, self.data_rank, self.dims.data)
-            ]
-            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, *self._stat_weights())
+            rows, n_docs = local_batches(self.eval_rows, micro, self.data_rank, self.dims.data), None
+            if self.dpo is not None:  # documents numbered on whole rows, as a step's
+                rows, n_docs = self.dpo.number(rows)
+            batches, weights = [self._shard(b) for b in rows], self._stat_weights()
+            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, *weights, self.dpo, n_docs)
         seed_everything(opts.run.seed, self.info.rank)
         # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
         deepspeed.utils.groups.mpu = None
@@ -147,7 +158,9 @@ class Trainer:
         if self.verbose:
             print(f"dstrain: optimizer groups\n{table}", flush=True)
 
-    def _pipe_objective(self, out: Any, n_global: torch.Tensor) -> torch.Tensor:
+    def _pipe_objective(self, out: Any, n_global: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        if self.dpo is not None:  # extra: each target's document
+            return self.dpo.pipe_loss(out, n_global, *extra)
         return objective.micro_loss(out, n_global, self.scale, self.weights)
 
     def _tokenizer(self) -> Any:
@@ -228,10 +241,12 @@ class Trainer:
         dev = self.info.device
         batches = [next(self.loader) for _ in range(self.ga)]
         seq_len = int(batches[0]["input_ids"].shape[1])
+        if self.dpo is not None:  # documents numbered on whole rows (sharded with them), pairs counted
+            batches = self.dpo.begin_step(batches, self._dp_sum, dev)
         batches = [self._shard(b) for b in batches]
         halo = sequence_halo(self.mtp_depth) if self.dims.sp > 1 else 0
         local_counts = torch.stack([count_targets(b, self.mtp_depth, halo) for b in batches]).sum(0)
-        n_global = self._dp_sum(local_counts.to(dev, torch.float64)).to(torch.float32)
+        n_global = self._dp_sum(host_to_device(local_counts.to(torch.float64), dev)).to(torch.float32)
         lr = float(self.engine.get_lr()[0])
         # Ranks holding a copy of another's numbers (tensor-parallel peers) count them with weight 0.
         stats = StepStats(self.mtp_depth, dev, *self._stat_weights())
@@ -242,15 +257,40 @@ class Trainer:
             coef = self.opts.model.indexer_loss_coef
             self.model.set_indexer_grad_scale(coef * self.scale / self.ga / queries)
         run = self._pipe_batches if self.pipe else self._micro_batches
-        skip, grad_norm = run(step, batches, n_global, stats)
-        if stats.seen and not torch.equal(stats.counts.cpu(), local_counts):
+        bad, grad_norm = run(step, batches, n_global, stats)
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
+        preemption, self.step_preemption = self.step_preemption, None
+        stop = preemption.local_flags(time.perf_counter() - t0) if preemption is not None else None
+        # One collective for every statistic (and the ranks' preemption flags); pipeline stages without the
+        # loss send zeros.
+        red = stats.all_reduced(self.model.moe_layer_ids, self.cfg.n_routed_experts, stop)
+        g_load = red.load
+        host = read_once(
+            dev,
+            bad=bad,
+            counted=stats.counts if stats.seen else None,
+            lm=red.lm,
+            mtp=red.mtp,
+            aux=red.aux,
+            n=n_global,
+            indexer=red.indexer,
+            norm=grad_norm if isinstance(grad_norm, torch.Tensor) else None,
+            imbalance=self._imbalance_ratios(g_load),
+            stop=red.extra,
+        )
+        if stats.seen and host["counted"] != local_counts.numpy().tolist():  # numpy: the CPU batch's counts
             raise RuntimeError(
-                f"step {step}: the model counted {stats.counts.tolist()} targets, the trainer {local_counts.tolist()}"
+                f"step {step}: the model counted {host['counted']} targets, the trainer {local_counts.numpy()}"
             )
-        # One collective for every statistic; pipeline stages without the loss send zeros.
-        red = stats.all_reduced(self.model.moe_layer_ids, self.cfg.n_routed_experts)
-        g_lm, g_mtp, g_aux, g_load = red.lm, red.mtp, red.aux, red.load
-        if self.pipe and not math.isfinite(float(g_lm)) and not skip:
+        flags, g_lm = host["bad"], host["lm"][0]
+        skip = any(flags)
+        if skip and self.opts.run.nan_policy == "stop":  # the update was dropped (see _micro_batches)
+            raise NonFiniteLossError(
+                f"step {step}: non-finite loss (micro batch {flags.index(1.0) + 1}/{self.ga}); stopped before the "
+                "update (--nan_policy skip to skip such steps)"
+            )
+        if self.pipe and not math.isfinite(g_lm):
             skip = True
             if self.opts.run.nan_policy == "stop":
                 raise NonFiniteLossError(
@@ -258,21 +298,27 @@ class Trainer:
                 )
         if skip and self.engine.was_step_applied():
             raise RuntimeError(f"step {step}: DeepSpeed applied an update with non-finite gradients")
+        if preemption is not None:
+            preemption.agree(host["stop"])
         if g_load is not None and not skip:
             self.model.update_expert_bias(g_load.to(torch.float32))
         self.step_load = g_load
-        if grad_norm is None:
-            grad_norm = self.engine.get_global_grad_norm()
-        n = n_global.double().clamp(min=1)
-        lm_loss = float(g_lm / n[0])
-        mtp_loss = float((g_mtp / n[1:]).mean()) if self.mtp_depth else None
-        aux_loss = float(g_aux / self.scale)
+        n = [max(x, 1.0) for x in host["n"]]
+        lm_loss = g_lm / n[0]
+        mtp_loss = (
+            sum(x / c for x, c in zip(host["mtp"], n[1:], strict=True)) / self.mtp_depth
+            if self.mtp_depth
+            else None
+        )
+        aux_loss = host["aux"][0] / self.scale
         total = combine_losses(lm_loss, mtp_loss, aux_loss, self.weights.alpha, self.weights.lam)
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = host["norm"][0]
         step_tokens = self.plan.global_batch_rows * seq_len
         step_time = time.perf_counter() - t0
         self.step = step
         self.tokens += step_tokens
-        self.target_tokens += int(n_global[0])
+        self.target_tokens += int(host["n"][0])
         return {
             "step": step,
             "loss": finite_or_none(total),
@@ -282,13 +328,17 @@ class Trainer:
             "lr": lr,
             "grad_norm": finite_or_none(float(grad_norm)) if grad_norm is not None else None,
             "tokens": self.tokens,
-            "target_tokens": int(n_global[0]),
+            "target_tokens": int(host["n"][0]),
             "skipped": skip,
             "step_time_s": step_time,
             "tokens_per_s": step_tokens / step_time,
             "seq_len": seq_len,
-            "moe_imbalance": self._imbalance(g_load),
-            **red.indexer_figures(),
+            "moe_imbalance": {
+                f"layer_{i}": round(r, 4)
+                for i, r in zip(self.model.moe_layer_ids, host["imbalance"], strict=False)
+            },
+            **red.indexer_figures(host["indexer"]),
+            **(self.dpo.end_step(total - lm_loss) if self.dpo is not None else {}),
         }
 
     def _stat_weights(self) -> tuple[float, float]:
@@ -312,34 +362,31 @@ class Trainer:
         dev = self.info.device
         n_dev = n_global.to(dev)
         bad = torch.zeros(self.ga, device=dev)  # non-finite loss per micro batch, kept on the device
-        skip = False
         grad_norm = None
         for i, batch in enumerate(batches):
-            batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
-            out = self.engine(
-                input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"]
-            )
-            loss = objective.micro_loss(out, n_dev, self.scale, self.weights)
+            batch = to_device(batch, dev)
+            if self.dpo is not None:
+                out, loss = self.dpo.micro(self.engine, self.model, batch, i, n_dev)
+            else:
+                out = self.engine(
+                    input_ids=batch["input_ids"],
+                    position_ids=batch.get("position_ids"),
+                    labels=batch["labels"],
+                )
+                loss = objective.micro_loss(out, n_dev, self.scale, self.weights)
             bad[i] = (~torch.isfinite(loss)).float()
             if i == self.ga - 1:
-                # One host sync a step, before the last backward and the update: every rank learns whether
-                # any micro batch of any rank had a non-finite loss.
-                flags = dist.all_reduce(bad, tdist.ReduceOp.MAX).tolist()
-                if any(flags):
-                    if self.opts.run.nan_policy == "stop":
-                        raise NonFiniteLossError(
-                            f"step {step}: non-finite loss (micro batch {flags.index(1.0) + 1}/{self.ga}); stopped "
-                            "before the update (--nan_policy skip to skip such steps)"
-                        )
-                    skip = True
-                    # NaN gradients make DeepSpeed's overflow check drop this step's update on every rank.
-                    loss = loss * float("nan")
+                # Decided on the device, read with the step's figures: a non-finite loss in any micro batch
+                # of any rank makes the last loss NaN everywhere, whose NaN gradients make DeepSpeed's overflow
+                # check drop this step's update on every rank (both policies: "stop" raises after it).
+                bad = dist.all_reduce(bad, tdist.ReduceOp.MAX)
+                loss = loss + torch.where(bad.any(), float("nan"), 0.0)
             stats.add(out)
             self.engine.backward(loss)
             if self.plan.stage == 0 and i == self.ga - 1:
                 grad_norm = self._local_full_grad_norm()
             self.engine.step()
-        return skip, grad_norm
+        return bad, grad_norm
 
     def _pipe_batches(self, step: int, batches: list, n_global: torch.Tensor, stats: StepStats) -> tuple:
         """One train_batch of DeepSpeed's pipeline engine; the last stage hands back its outputs."""
@@ -347,23 +394,27 @@ class Trainer:
         n_dev = n_global.to(dev)
 
         def feed(batch: dict[str, torch.Tensor]) -> tuple:
-            ids = batch["input_ids"].to(dev)
+            ids = host_to_device(batch["input_ids"], dev)
             pos = batch.get("position_ids")
             pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous() if pos is None else pos
-            return (ids, pos.to(dev)), (batch["labels"].to(dev), n_dev)
+            return (ids, host_to_device(pos, dev)), (host_to_device(batch["labels"], dev), n_dev)
 
-        self.engine.train_batch(data_iter=iter([feed(b) for b in batches]))
+        data = [feed(b) for b in batches]
+        if self.dpo is not None:  # the reference pass first; the targets' documents travel with the labels
+            data = self.dpo.pipe_reference(self.engine, self.model, batches, data)
+        self.engine.train_batch(data_iter=iter(data))
         for out in self.engine.module.take_outputs():
             stats.add(out)
         stats.add_indexer(self.engine.module.take_indexer_stats())
-        return False, None
+        return None, None
 
-    def _local_full_grad_norm(self) -> float:
+    def _local_full_grad_norm(self) -> torch.Tensor:
         """ZeRO stage 0 keeps whole, already averaged gradients on every rank; DeepSpeed reports no norm
-        there. In float64: fp32 norms of tensors of a million elements are 1e-5 off."""
-        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float64) if grads else []
-        self._stage0_norm = float(torch.stack(list(norms)).norm()) if norms else 0.0
+        there. Exact (gradnorm.sum_of_squares), on the device: read with the step's other figures."""
+        from dstrain.parallel.gradnorm import sum_of_squares
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self._stage0_norm = sum_of_squares(grads).sqrt()
         return self._stage0_norm
 
     def _clip_with_the_exact_norm(self) -> None:
@@ -372,18 +423,18 @@ class Trainer:
         max_norm = float(self.engine.gradient_clipping())
 
         def clip() -> None:
-            coef = max_norm / (self._stage0_norm + 1e-6)  # DeepSpeed's (and torch's) rule
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+            # DeepSpeed's (and torch's) rule, decided on the device: a factor of exactly 1 changes nothing
+            coef = (max_norm / (self._stage0_norm + 1e-6)).clamp(max=1.0).to(torch.float32)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
 
         self.engine.clip_fp32_gradients = clip
 
-    def _imbalance(self, load: torch.Tensor | None) -> dict[str, float]:
+    def _imbalance_ratios(self, load: torch.Tensor | None) -> torch.Tensor | None:
+        """Each MoE layer's busiest expert's load over the mean load (on the device)."""
         if load is None:
-            return {}
-        mean = load.mean(dim=1).clamp(min=1e-9)
-        ratio = (load.max(dim=1).values / mean).tolist()
-        return {f"layer_{i}": round(r, 4) for i, r in zip(self.model.moe_layer_ids, ratio)}
+            return None
+        return load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)
 
     def evaluate(self) -> dict[str, Any]:
         """The eval figures of the current weights (see evaluate.py); every rank must call it."""
@@ -392,7 +443,7 @@ class Trainer:
         rec = {
             "step": self.step,
             "tokens": self.tokens,
-            **self.evaluator.run(self.engine, moe, experts, self.pipe),
+            **self.evaluator.run(self.engine, moe, experts, self.pipe, self.model),
         }
         self.eval_history.append(rec)
         return rec
@@ -412,6 +463,7 @@ class Trainer:
             "rng": store.rng_state(),
             "wandb_run_id": self.wandb_run_id,
             "model": self.opts.model.model,
+            "tokenizer": self.opts.data.tokenizer,  # the export ships it where --model is no folder
             "optimizer": self.opts.optimizer.optimizer,
         }
 
@@ -438,6 +490,8 @@ class Trainer:
             if self.step >= end:
                 self._nothing_to_run(run)
             while self.step < end:
+                if self._plain_step(end):  # its preemption check rides in the step's all-reduce and read
+                    self.step_preemption = run.preemption
                 rec = self._step(run)
                 self._log(run, rec, end)
                 if self.evaluator is not None and (
@@ -485,8 +539,15 @@ class Trainer:
         preemption.start()
         return _Run(sink, display, log, preemption, window)
 
-    def _every(self, n: int) -> bool:
-        return bool(n) and self.step % n == 0
+    def _every(self, n: int, step: int | None = None) -> bool:
+        return bool(n) and (self.step if step is None else step) % n == 0
+
+    def _plain_step(self, end: int) -> bool:
+        """Whether the next step is followed by neither an evaluation nor a save (nor the end): its
+        preemption check may be decided before them, inside the step (Preemption.local_flags)."""
+        nxt = self.step + 1
+        evaluates = self.evaluator is not None and self._every(self.opts.eval.eval_every, nxt)
+        return nxt < end and not evaluates and not self._every(self.opts.checkpoint.save_every, nxt)
 
     def _nothing_to_run(self, run: _Run) -> None:
         if self.resume_path is None:  # --max_steps 0: the initial model, as a checkpoint
@@ -517,6 +578,8 @@ class Trainer:
     def _log(self, run: _Run, rec: dict[str, Any], end: int) -> None:
         rec["mfu"] = run.log.mfu(rec)
         self.history.append(rec)
+        if rec["moe_imbalance"] and (warning := self.collapse.update(rec["moe_imbalance"], rec["lr"])):
+            run.display.write(warning)
         run.sink.log(rec)
         run.display.update(rec, run.log.eta_s(rec, self.opts.schedule.max_steps - self.step))
         if self.step_load is not None:
@@ -525,7 +588,7 @@ class Trainer:
     def _evaluate(self, run: _Run) -> None:
         rec = self.evaluate()
         run.sink.log(rec)
-        run.display.write(_eval_line(rec))
+        run.display.write(eval_line(rec))
 
     def _stop(self, run: _Run, saved_now: bool) -> None:
         """Preempted (a signal or --time_limit): a complete checkpoint of this step, then out."""
@@ -572,18 +635,6 @@ class _Run:
             self.preemption.stop()
         self.display.close()
         self.sink.close()
-
-
-def _eval_line(rec: dict[str, Any]) -> str:
-    mtp = (
-        f", mtp loss {rec['eval_mtp_loss'][0]:.4f}, mtp acc {100 * rec['eval_mtp_acc']:.1f}%"
-        if rec["eval_mtp_loss"]
-        else ""
-    )
-    return (
-        f"eval step {rec['step']}: loss {rec['eval_loss']:.4f}, ppl {rec['eval_ppl']:.2f}{mtp} "
-        f"({rec['eval_tokens']} tokens, {rec['eval_time_s']:.1f} s)"
-    )
 
 
 def seed_everything(seed: int, rank: int) -> None:

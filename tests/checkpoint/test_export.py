@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 
+import pytest
 import torch
 
 import dstrain.checkpoint.export as ex
@@ -213,3 +214,54 @@ def test_export_carries_the_code_files_a_config_auto_map_names():
     cfg = ModelConfig.from_hf_dict(KIMI_K2 | {"auto_map": auto_map})
     assert _remote_code(cfg) == ["configuration_deepseek.py", "modeling_deepseek.py"]
     assert cfg.to_hf_dict()["auto_map"] == auto_map
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v32"])
+def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(variant, tmp_path, capsys):
+    """The journey of a new user: a folder transformers wrote, LoRA SFT on chats under ZeRO-3, export --verify,
+    then transformers' generate on the export. V3.2 with 4 indexer heads and top-k 16: many indexer scores are
+    exactly 0 after the ReLU, and verify must not fail a correct export on how torch.topk breaks their ties."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.data_files import chat_rows, write_jsonl
+    from tests.helpers.hf import v32_config
+
+    src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
+    config = v3_config() if variant == "deepseek_v3" else v32_config(index_n_heads=4, index_topk=16)
+    make_hf_model(config).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(40))
+    train(["--model", str(src), "--config", "zero3", "--data", data, "--seq_len", "256", "--lora_r", "8", "--max_steps", "2",
+           "--output_dir", str(run)])  # fmt: skip
+    capsys.readouterr()
+    assert (
+        dstrain_main(["export", str(run / "checkpoints" / "step_00000002"), "--out", str(out), "--verify"])
+        == 0
+    )
+    line = capsys.readouterr().out.splitlines()[-1]
+    diff = float(re.search(r"max \|logits diff\| (\S+)", line).group(1))
+    assert line.endswith(": ok") and diff < 1e-4, line
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    generated = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 10) and torch.equal(generated[:, :4], prompt)
+
+
+def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, caplog):
+    """No folder to copy tokenizer files from: the export saves the run's own (the bundled DeepSeek-V3
+    tokenizer by default), and transformers loads it without a word about its class."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from dstrain.data.tokenizer import load_tokenizer
+
+    train(["--model", "tiny", "--max_steps", "0", "--output_dir", str(tmp_path / "run")])
+    out = tmp_path / "out"
+    info = ex.export(tmp_path / "run" / "checkpoints" / "step_00000000", out)
+    assert "tokenizer.json" in info["tokenizer"] and (out / "tokenizer.json").is_file()
+    with caplog.at_level(logging.WARNING):
+        tok = AutoTokenizer.from_pretrained(out)
+    assert not [r for r in caplog.records if "tokenizer" in r.getMessage().lower()], caplog.text
+    text = "<｜User｜>Hello<｜Assistant｜>Hi there"
+    assert tok(text)["input_ids"] == load_tokenizer(None)(text)["input_ids"]

@@ -107,7 +107,18 @@ def test_shipped_configs_resolve_from_options():
         (
             {"zero_optimization": {"stage": 1, "reduce_bucket_sise": 5}},
             [],
-            "zero_optimization.reduce_bucket_sise",
+            "zero_optimization.reduce_bucket_sise: unknown setting (did you mean 'reduce_bucket_size'?)",
+        ),
+        (  # a typo'd key set to "auto" is a typo, not a setting dstrain does not fill
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": "auto"}},
+            [],
+            "zero_optimization.stage3_prefetch_bucket_sise: unknown setting (did you mean "
+            "'stage3_prefetch_bucket_size'?)",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+            [],
+            "zero_optimization.offload_optimizer.pin_memroy: unknown setting (did you mean 'pin_memory'?)",
         ),
         (
             {"zero_optimization": {"stage": 1, "allgather_bucket_size": "auto"}},

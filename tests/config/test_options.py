@@ -85,3 +85,54 @@ def test_shipped_recipes_parse_and_resolve():
             plan.global_batch_rows
             == layout.micro_batch_size * layout.gradient_accumulation_steps * plan.dims.dp
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max_stesp", "3"],
+            "unrecognized arguments: --max_stesp 3 (--max_stesp: did you mean --max_steps?)",
+        ),
+        # a prefix is no flag: `--max_step` would change meaning the day a `--max_step...` flag is added
+        (["--max_step", "3"], "(--max_step: did you mean --max_steps?)"),
+        (["--lora_rr=4"], "(--lora_rr: did you mean --lora_r?)"),
+        (["--zzz", "1"], "unrecognized arguments: --zzz 1"),
+    ],
+)
+def test_unknown_flags_name_the_nearest_one(argv, message):
+    with pytest.raises(ConfigError) as info:
+        parse_options(argv)
+    assert str(info.value).endswith(message) if message.startswith("(") else str(info.value) == message
+
+
+def test_dash_and_underscore_spellings_are_the_same_flag():
+    assert parse_options(["--lora-r", "8", "--max-steps=3"]).lora.lora_r == 8
+    assert parse_options(["--max-steps=3"]).schedule.max_steps == 3
+    assert parse_options(["--no_plots"]).given == parse_options(["--no-plots"]).given == {"plots"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--data", "{tmp}/missing.jsonl"],
+            "dstrain: error: data: no such file or folder: {tmp}/missing.jsonl",
+        ),
+        (["--eval_data", "{tmp}/*.parquet"], "dstrain: error: data: no file matches {tmp}/*.parquet"),
+        (
+            ["--lora_r", "4", "--lora_targets", "q_proj"],
+            "dstrain: error: --lora_targets q_proj: 'q_proj' matches no",
+        ),
+    ],
+)
+def test_data_and_lora_targets_are_checked_before_anything_exists(flags, message, tmp_path, capsys):
+    """One line, from the checks before the process group: no model built, no run folder, no resolved file."""
+    from dstrain.cli import main as dstrain_main
+
+    out = tmp_path / "run"
+    argv = ["train", "--output_dir", str(out), *[f.format(tmp=tmp_path) for f in flags]]
+    assert dstrain_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1
+    assert not out.exists()

@@ -93,7 +93,19 @@ def test_stats_reports_counts_fill_and_speed(tmp_path, tok_dir, capsys):
     path = write_jsonl(tmp_path / "c.jsonl", rows)
     assert (
         dstrain_main(
-            ["data", "stats", "--data", path, "--tokenizer", tok_dir, "--seq_len", "512", "--rounds", "1"]
+            [
+                "data",
+                "stats",
+                "--data",
+                path,
+                "--tokenizer",
+                tok_dir,
+                "--seq_len",
+                "512",
+                "--rounds",
+                "1",
+                "--json",
+            ]
         )
         == 0
     )
@@ -112,8 +124,19 @@ def test_stats_through_the_dstrain_command_on_text(tmp_path, tok_dir, capsys):
 
     path = write_jsonl(tmp_path / "d.jsonl", text_rows(40))
     args = ["data", "stats", "--data", path, "--tokenizer", tok_dir, "--seq_len", "64", "--rounds", "1"]
-    assert dstrain_main(args + ["--max_docs", "30"]) == 0
+    assert dstrain_main(args + ["--max_docs", "30", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     expected = sum(len(r["text"]) + 1 for r in text_rows(30))  # bytes + EOS
     assert stats["documents"] == 30 and stats["tokens"] == expected
     assert stats["fill"] == 1.0 and stats["rows"] == -(-expected // 64)
+
+
+def test_stats_reads_as_lines_without_json(tmp_path, tok_dir, capsys):
+    from dstrain.cli import main as dstrain_main
+
+    path = write_jsonl(tmp_path / "d.jsonl", text_rows(10))
+    assert dstrain_main(["data", "stats", "--data", path, "--tokenizer", tok_dir, "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{path}: format text, seq_len 64"  # train's default row length
+    figures = dict(line.split(None, 1) for line in lines[1:])
+    assert figures["documents"] == "10" and figures["fill"] == "1.0"

@@ -100,7 +100,7 @@ def test_format_detection(tmp_path):
     sharegpt = tmp_path / "sg.json"
     sharegpt.write_text(json.dumps(chat_rows(2, style="sharegpt")))
     assert resolve_sources(DataOptions(data=str(sharegpt)))[0].fmt == "chat"
-    with pytest.raises(DataError, match="cannot mix pretraining text with chat/instruction"):
+    with pytest.raises(DataError, match="cannot mix pretraining text, chat/instruction"):
         resolve_sources(DataOptions(data=f"{tmp_path / 'text.jsonl'},{sharegpt}"))
 
 

@@ -48,7 +48,11 @@ class GlobalRows:
         step, i = divmod(self.pulled, self.ga)
         start = step * self.micro * self.ga * self.world + (self.rank * self.ga + i) * self.micro
         self.pulled += 1
-        return stack([global_row(start + j, same_token=self.same_token) for j in range(self.micro)])
+        return stack([self.row(start + j) for j in range(self.micro)])
+
+    def row(self, index: int) -> dict[str, torch.Tensor]:
+        """Global row `index`."""
+        return global_row(index, same_token=self.same_token)
 
     def state_dict(self) -> dict:
         # the data package's form: a global position (re-shardable over another rank count), no streams

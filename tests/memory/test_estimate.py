@@ -132,3 +132,28 @@ def test_accumulation_keeps_the_earlier_micro_batches_gradients():
     for stage in (1, 2):
         one, four = (estimate(workload(cfg, world=2, stage=stage, grad_accum=ga)) for ga in (1, 4))
         assert four.peak > one.peak, stage
+
+
+@pytest.mark.parametrize(
+    "flags", [["--lora_r", "8"], ["--lora_r", "8", "--lora_targets", "experts,o_proj", "--train_mtp"]]
+)
+def test_lora_trains_only_its_share(flags):
+    """A LoRA run's gradients and optimizer states are those of what trains (the share finetune marks
+    trainable on a real model), not the full fine-tune's; the frozen weights are held all the same."""
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.training.finetune import apply_finetune_options
+
+    opts = parse_options(["--config", "zero2", *flags])
+    plan = prepare(opts, 1, device_type="cuda", model=tiny_config(**SMALL))
+    model = build_model(plan.model, seed=0)
+    apply_finetune_options(model, opts.lora, seed=0)
+    share = sum(p.numel() for p in model.parameters() if p.requires_grad) / sum(
+        p.numel() for p in model.parameters()
+    )
+    lora = Workload.of(plan)
+    assert lora.trainable == pytest.approx(share, rel=1e-12) and 0 < share < 0.5
+    full, tuned = estimate(lora.replace(trainable=1.0)), estimate(lora)
+    assert tuned.terms[PARAMS] == full.terms[PARAMS]
+    assert tuned.terms[STATES] == pytest.approx(full.terms[STATES] * share, abs=1)  # terms are whole bytes
+    assert tuned.peak < full.peak

@@ -52,6 +52,7 @@ def finetuned(source, tmp_path_factory, rank_pools):
 def reference(source):
     """One process fine-tuning the folder, without and with LoRA (adapters seeded by module name, so they
     start the same in every layout)."""
+    from dstrain.config.plan import model_config
     from dstrain.model import from_pretrained
     from dstrain.training.finetune import apply_finetune_options
 
@@ -59,6 +60,7 @@ def reference(source):
     for lora in ("", LORA):
         model = from_pretrained(source, dtype=torch.float32)
         opts = make_options([*common(1).split(), "--max_steps", str(FT_STEPS), *lora.split()])
+        model.config = model_config(opts, model.config)  # the run's: LoRA keeps the expert bias
         apply_finetune_options(model, opts.lora, opts.run.seed)
         state = {}
         runs[bool(lora)] = reference_run(

@@ -61,6 +61,7 @@ def test_default_command_with_deepspeed_launcher(tmp_path):
     assert proc.returncode == 0, text[-4000:]
     assert f"outputs in {out}" in proc.stdout and "Traceback" not in text
     assert "tiny on 2 x cpu (gloo), dp 2, ZeRO-1, fp32" in proc.stdout
+    assert "routing collapsed" not in text
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
@@ -308,3 +309,22 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
     assert "[memory]" in names and any("aten::" in str(n) for n in names)
     (out / "plots" / "loss.png").unlink()
     assert dstrain_main(["plot", str(out)]) == 0 and (out / "plots" / "loss.png").is_file()
+
+
+def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path):
+    """No bias update, no balance loss and a far too high lr: every token goes to the same k experts."""
+    from tests.helpers.runs import train
+
+    flags = [
+        "--lr",
+        "0.05",
+        "--moe_bias_update_speed",
+        "0",
+        "--moe_aux_loss_alpha",
+        "0",
+        "--max_steps",
+        "14",
+        "--no-plots",
+    ]
+    out = train([*flags, "--output_dir", str(tmp_path / "run")]).stdout
+    assert out.count("dstrain: warning: routing collapsed in layer(s) ") == 1, out[-3000:]

@@ -1,4 +1,4 @@
-"""`dstrain plot`: PNGs from a synthetic run folder (MoE with eval and MTP, dense without eval, none)."""
+"""`dstrain plot`: PNGs from a synthetic run folder (MoE with eval and MTP, dense without eval, DPO, none)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,28 @@ def test_dense_run_without_eval(tmp_path: Path) -> None:
 def test_single_step(tmp_path: Path) -> None:
     _write_run(tmp_path, moe=True, evals=False, steps=1)
     _assert_pngs(plots.write_plots(tmp_path), ALL)
+
+
+def test_dpo_run_adds_the_rewards_plot(tmp_path: Path) -> None:
+    _write_run(tmp_path, moe=True, evals=True)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for row in rows:  # TRL's names, as a --objective dpo run writes them (train and eval rows)
+        prefix = "eval_" if "eval_loss" in row else ""
+        margin = 0.01 * row["step"]
+        row.update(
+            {f"{prefix}rewards/margins": margin, f"{prefix}rewards/accuracies": min(1.0, 0.5 + margin)}
+        )
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    _assert_pngs(plots.write_plots(tmp_path), ALL | {"rewards.png"})
+    fig = plots._rewards(*_train_and_eval(rows), "t")
+    curves = {line.get_label(): line.get_ydata() for ax in fig.axes for line in ax.get_lines()}
+    assert list(curves["eval margin"]) == [0.1, 0.2, 0.3] and list(curves["eval accuracy"]) == [0.6, 0.7, 0.8]
+    assert len(curves["train margin (smoothed)"]) == 30  # one point a step (the resumed step 3's row wins)
+
+
+def _train_and_eval(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = plots._latest([r for r in rows if "loss" in r])
+    return train, plots._latest([r for r in rows if "eval_loss" in r and "loss" not in r])
 
 
 def test_missing_or_empty_metrics(tmp_path: Path, capsys) -> None:

@@ -13,7 +13,7 @@ from dstrain.model import build_model
 from dstrain.training.metrics import _truncate_after
 from dstrain.training.objective import LossWeights, count_targets, micro_loss
 from dstrain.training.schedule import lr_at
-from tests.helpers.tiny import tiny_config
+from tests.helpers.tiny import byte_tokenizer, tiny_config
 from tests.helpers.trainer import GlobalRows, global_row, stack
 
 
@@ -100,3 +100,67 @@ def test_global_rows_independent_of_split():
     assert torch.equal(rows_a, rows_b)
     single = GlobalRows(8, 1, 0, 1)
     assert torch.equal(next(single)["input_ids"], rows_a)
+
+
+def test_the_first_lines_say_what_trains():
+    from dstrain.config.plan import prepare
+    from dstrain.training.cli import what_trains
+    from tests.helpers.trainer import make_options
+
+    full = what_trains(prepare(make_options([]), 1, model=tiny_config()))
+    assert full.startswith("dstrain: trains ") and "(100.00%); routers train; MTP trains" in full
+    plan = prepare(
+        make_options(["--model", "tiny-dsa", "--lora_r", "4", "--lora_targets", "o_proj,experts"]), 1
+    )
+    model = build_model(plan.model, seed=0)
+    from dstrain.training.finetune import apply_finetune_options
+
+    apply_finetune_options(model, plan.opts.lora, 0, plan.opts.model.dsa_stage)
+    trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    line = what_trains(plan)
+    assert f"({trains / sum(p.numel() for p in model.parameters()):.2%})" in line
+    assert "LoRA r 4 on 5 modules (o_proj 3, experts 2); routers frozen; MTP frozen" in line  # 1 dense layer
+    assert line.endswith("sparse attention stage sparse (--dsa_stage auto)")
+
+
+def test_epochs_become_the_steps_of_that_many_passes(tmp_path, capsys, monkeypatch):
+    import dataclasses
+    import math
+
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.data import epoch_rows
+    from dstrain.errors import ConfigError
+    from dstrain.training.cli import steps_of_epochs
+    from tests.helpers.data_files import text_rows, write_jsonl
+
+    path = write_jsonl(tmp_path / "t.jsonl", text_rows(50))
+    opts = parse_options(["--data", path, "--seq_len", "64", "--epochs", "2.5", "--config", "zero1"])
+    plan = prepare(opts, 1, model=tiny_config())
+    monkeypatch.setattr("dstrain.data.load_tokenizer", lambda *a: byte_tokenizer())
+    rows = epoch_rows(opts.data, byte_tokenizer())
+    counted = steps_of_epochs(plan)
+    assert counted.schedule.max_steps == math.ceil(2.5 * rows / plan.global_batch_rows)
+    assert f"one pass is {rows} rows of 64 tokens" in capsys.readouterr().out
+    again = prepare(counted, 1, model=tiny_config())  # the schedule is sized to them
+    assert again.opts.schedule.max_steps == counted.schedule.max_steps
+    with pytest.raises(ConfigError, match="--epochs and --max_steps: give one"):
+        parse_options(["--epochs", "1", "--max_steps", "3"])
+    assert dataclasses.replace(opts.schedule).epochs == 2.5
+
+
+def test_the_collapse_warning_fires_on_collapsed_routing_only():
+    from dstrain.training.collapse import STEPS, CollapseWatch
+
+    watch = CollapseWatch(experts=64, top_k=6)  # at most 10.67
+    healthy = [{"layer_1": 1.4, "layer_2": 2.1}] * 10
+    assert [watch.update(r, 3e-3) for r in healthy] == [None] * 10
+    # layer 2 near its most from the first of these steps, layer 1 from the second: the line comes once, at
+    # layer 2's third step, naming the layers collapsed for STEPS steps by then
+    steps = [{"layer_1": 1.5, "layer_2": 10.6}] + [{"layer_1": 10.2, "layer_2": 10.67}] * (STEPS + 2)
+    said = [watch.update(r, 3e-3) for r in steps]
+    assert [i for i, line in enumerate(said) if line] == [STEPS - 1]
+    line = said[STEPS - 1]
+    assert line.startswith("dstrain: warning: routing collapsed in layer(s) 2: the busiest expert has 10.67")
+    assert "at most 10.67 = experts / top-k" in line and "lower --lr (now 0.003)" in line
+    assert CollapseWatch(64, 6).update({"layer_1": 10.67}, 1e-5) is None  # one step is no collapse

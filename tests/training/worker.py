@@ -1,7 +1,7 @@
 """Multi-rank trainer scenarios for tests/training/ and tests/config/, run in the test session's pool of ranks
 (tests/helpers/pool.py): ZeRO 1/2/3 with resumes, evaluation, GA splits, idle experts, bf16, the NaN policies,
---compile in each layout, other projects' DeepSpeed files, LoRA under ZeRO-3, and the run continued after a
-killed save. `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker kill OUT` is the run
+--compile in each layout, other projects' DeepSpeed files, LoRA under ZeRO-3, the host syncs of a step (1
+rank), and the run continued after a killed save. `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker kill OUT` is the run
 whose rank 1 kills itself during a save (DSTRAIN_TEST_KILL_DURING_SAVE): it needs processes of its own."""
 
 from __future__ import annotations
@@ -251,3 +251,78 @@ if __name__ == "__main__":  # the killed run, in processes of its own
     finally:
         dist.shutdown()
     dist.finish()
+
+
+def host_syncs(info, out: str, steps: int) -> dict[str, Any]:  # noqa: ANN001
+    """`steps` optimizer steps of the tiny model (ZeRO-1, 2 micro batches a step) under the CUDA kernel policy
+    after a first one, the run loop's preemption check included, counting host syncs (tests/helpers/syncs.py)
+    -> the calls from dstrain's code and from DeepSpeed's, and the steps' records."""
+    import dstrain.model.common.kernels as kernels
+    from tests.helpers.syncs import HostSyncs
+
+    policy = kernels.KERNEL_POLICY
+    kernels.KERNEL_POLICY = "cuda"
+    try:
+        args = (
+            "--config zero1 --precision bf16 --micro_batch_size 2 --gradient_accumulation_steps 2 --save_every 0 "
+            "--max_steps 99"
+        )
+        tr = make_trainer(_opts(args), f"{out}/syncs", info)
+        run = tr._open_run()
+        try:
+            tr._log(run, tr._step(run), 99)
+            with HostSyncs() as syncs:
+                for _ in range(steps):
+                    tr.step_preemption = run.preemption  # as run() does for a step without a save or an eval
+                    rec = tr._step(run)
+                    tr._log(run, rec, 99)
+                    run.preemption.should_stop(rec["step_time_s"])
+        finally:
+            run.close()
+    finally:
+        kernels.KERNEL_POLICY = policy
+    return {
+        "dstrain": [list(c) for c in syncs.calls if c[1].startswith("dstrain/")],
+        "deepspeed": [list(c) for c in syncs.calls if c[1].startswith("deepspeed/")],
+        "other": [list(c) for c in syncs.calls if not c[1].startswith(("dstrain/", "deepspeed/"))],
+        "history": tr.history,
+    }
+
+
+def dpo_run(info, out: str, name: str, args: str, cycle: int = 0) -> list[dict[str, Any]]:  # noqa: ANN001
+    """--objective dpo with LoRA on the tiny model, on learnable pair rows (tests.helpers.pairs; `cycle` rows
+    repeated) -> the history."""
+    return _dpo_trainer(info, out, name, args, cycle).history
+
+
+def dpo_eval_run(info, out: str, name: str, args: str) -> dict[str, Any]:  # noqa: ANN001
+    """dpo_run evaluating pair rows (tests.helpers.pairs.pair_eval_rows) at its end -> the eval history and,
+    on one process, the file of the trained weights (torch.save)."""
+    from tests.helpers.pairs import pair_eval_rows
+
+    tr = _dpo_trainer(info, out, name, args, eval_rows=pair_eval_rows())
+    weights = None
+    if info.world_size == 1:
+        weights = f"{out}/{name}/weights.pt"
+        torch.save(tr.model.state_dict(), weights)
+    return {"eval": tr.eval_history, "weights": weights}
+
+
+def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows=None):  # noqa: ANN001, ANN202
+    from dstrain.parallel import ParallelDims
+    from tests.helpers.pairs import PairRows
+
+    lora = "--lora_r 8 --lora_alpha 16 --lora_targets q_b_proj,kv_b_proj,o_proj,shared_experts,experts"
+    flags = f"{args} --objective dpo {lora} --lr 1e-2 --save_every 0 --precision fp32"
+    opts = _opts(flags)
+    layout = opts.layout
+    # ranks of one sequence-, tensor- or pipeline-parallel group read the same rows
+    sizes = {k: getattr(layout, k) or 1 for k in ("pp", "tp", "ep", "sp")}
+    dims = ParallelDims(info.world_size, **sizes)
+    data_rank, _ = dims.data_coords(info.rank)
+    loader = PairRows(
+        layout.micro_batch_size, layout.gradient_accumulation_steps, data_rank, dims.data, cycle
+    )
+    tr = make_trainer(opts, f"{out}/{name}", info, loader=loader, eval_rows=eval_rows)
+    tr.run()
+    return tr

@@ -19,8 +19,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from dstrain.batch import PAD_POSITION, host_copy, host_to_device
 
 from .kernels import compute_dtype, cuda_capability, gpu_kernels
 
@@ -165,6 +168,7 @@ class AttentionLayout:
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, T, k) chosen keys
     stats: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its indexer's figures
     real: torch.Tensor | None = None  # (B, T_local) bool: positions holding a token; None = all (batch.py)
+    real_rows: torch.Tensor | None = None  # (B, T) bool: `real` of the whole rows (every SP rank's)
 
 
 _logged: set[str] = set()
@@ -174,26 +178,36 @@ def attention_layout(
     position_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device
 ) -> AttentionLayout:
     """A document starts wherever position_ids restart at 0 (and at every row start). What each kernel needs
-    is built once per forward, before the first block, with its host syncs (one check for plain rows; the
-    document starts for the GPU kernels): the document ids (the CPU kernel, sparse attention, and a mask
+    is built once per forward, before the first block, with its host reads (one check for plain rows; the
+    document starts for the GPU kernels) from the batch's CPU copy where the trainer kept one
+    (batch.host_copy; else host syncs): the document ids (the CPU kernel, sparse attention, and a mask
     built on first need), and on GPUs the varlen kernels' boundaries. Which kernel runs is decided in
     `attend`, from the activations' dtype, so that a pipeline stage without the embedding decides alike."""
     if position_ids is None:
         return AttentionLayout(causal_only=True)
-    arange = torch.arange(seq, device=device)
-    if bool((position_ids == arange).all()):
+    host = host_copy(position_ids)  # the batch's CPU copy (the trainer's): decided there, no device read
+    if host is not None and (host.numpy() == np.arange(seq)).all():
+        return AttentionLayout(causal_only=True)
+    if host is None and bool((position_ids == torch.arange(seq, device=device)).all()):
         return AttentionLayout(causal_only=True)
     starts = position_ids == 0
     starts[:, 0] = True
     doc = starts.cumsum(dim=1)
+    real = position_ids != PAD_POSITION
     if not gpu_kernels(device):
-        return AttentionLayout(causal_only=False, doc=doc)
-    flat = starts.flatten().nonzero().flatten()
-    cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
+        return AttentionLayout(causal_only=False, doc=doc, real_rows=real)
+    if host is not None:
+        at = host.numpy() == 0
+        at[:, 0] = True
+        cu = torch.from_numpy(np.append(np.flatnonzero(at), batch * seq).astype(np.int32))
+        cu = host_to_device(cu, device)
+    else:
+        flat = starts.flatten().nonzero().flatten()
+        cu = torch.cat([flat, flat.new_tensor([batch * seq])]).to(torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu, 0)  # the document count changes every batch: no recompile per count
     # max_seqlen: the row length bounds every document; a constant keeps torch.compile from recompiling per
     # batch (a new value each time), and needs no host read of the lengths
-    return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=seq)
+    return AttentionLayout(causal_only=False, doc=doc, cu_seqlens=cu, max_seqlen=seq, real_rows=real)
 
 
 def _causal_mask(seq: int, device: torch.device, doc: torch.Tensor | None) -> torch.Tensor:

@@ -48,6 +48,9 @@ class Target:
     sparse: bool
     """The sparse stage's loss: both distributions restricted to the selected keys."""
     head_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    real: torch.Tensor | None = None
+    """(B, T) bool: the queries that hold a token; padding's (PAD_POSITION) count in no KL, recall or gradient,
+    as Megatron-LM's packed (THD) path drops them. None: every query does."""
 
 
 @dataclass
@@ -138,11 +141,17 @@ def index_pass(
         p = _target_block(target, s, e, sub, cols)
         logq = index[..., cols].double().masked_fill(~sub, float("-inf")).log_softmax(dim=-1)
         kl = torch.where(sub, torch.xlogy(p, p) - p * logq.masked_fill(~sub, 0.0), 0.0).sum(-1)
+        counted = b * c
+        if target.real is not None:
+            keep = target.real[:, s:e]
+            sub = sub & keep.unsqueeze(-1)
+            kl, p = kl.masked_fill(~keep, 0.0), p.masked_fill(~sub, 0.0)
+            counted = keep.sum(dtype=torch.float64)
         stats[0] += kl.sum(dtype=torch.float64)
-        stats[1] += b * c
+        stats[1] += counted
         if chosen is not None and not target.sparse:
             stats[2] += (p * chosen).sum(dtype=torch.float64)
-            stats[3] += b * c
+            stats[3] += counted
         if grads:  # d KL / d I is 0 off the support: the chain to q, k and w only over the keys scored
             d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)
             act_k = act if keys is None else act[..., keys]
@@ -215,7 +224,7 @@ class SparseSettings:
     loss: bool = True
     """Compute the indexer's KL (and, training, inject its gradient)."""
     grad_scale: float | None = None
-    """Factor on the KL sum's gradient; None: 1 / (queries of the forward)."""
+    """Factor on the KL sum's gradient; None: 1 / (queries of the forward that hold a token)."""
 
 
 class SparseControls:
@@ -270,13 +279,16 @@ def sparse_attention(
         head_sum = seq_parallel.sum
     trains = torch.is_grad_enabled() and any(p.requires_grad for p in indexer.parameters())
     sparse_kl = not settings.dense and torch.is_grad_enabled()
-    target = Target(q.detach(), k.detach(), scale, sparse_kl, head_sum) if measure else None
+    real = layout.real_rows
+    target = Target(q.detach(), k.detach(), scale, sparse_kl, head_sum, real) if measure else None
     result = index_pass(iq, ik, iw, topk, layout.doc, target, grads=measure and settings.loss and trains)
     layout.selections[settings.layer] = result.selection
     layout.stats[settings.layer] = result.stats
     out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
     if result.grads is not None:
-        factor = settings.grad_scale if settings.grad_scale is not None else 1.0 / (iq.shape[0] * iq.shape[1])
+        factor = settings.grad_scale
+        if factor is None:  # the mean over the forward's real queries
+            factor = 1.0 / (real.sum().clamp(min=1) if real is not None else iq.shape[0] * iq.shape[1])
         out = inject(out, factor, (iq, ik, iw), result.grads)
     return seq_parallel.to_tokens(out) if seq_parallel is not None else out
 

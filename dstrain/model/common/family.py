@@ -44,7 +44,8 @@ class Family:
     from the folder the model came from (a multimodal checkpoint's vision tower); [] by default."""
     unsupported: Mapping[str, str] = field(default_factory=dict)
     """What it does not do yet -> the one-line reason a run that asks for it is refused: "tp" (tensor
-    parallelism), "adapter_only" (exporting LoRA adapters alone), "memory_estimate" (`dstrain plan`)."""
+    parallelism), "adapter_only" (exporting LoRA adapters alone), "memory_estimate" (`dstrain plan`), "dpo"
+    (`--objective dpo`)."""
     splits_heads: bool = True
     """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
 

@@ -13,8 +13,11 @@ adapter folders in `dstrain.checkpoint.lora`.
 
 from __future__ import annotations
 
+import difflib
 import math
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -225,6 +228,14 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def target_names(model: nn.Module) -> list[str]:
+    """The names a LoRA target can be in this model: its linears' own names, `experts`, `gate`."""
+    names = {
+        n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear | Experts | Router)
+    }
+    return sorted(names - {""})
+
+
 def match_targets(model: nn.Module, targets: list[str]) -> list[str]:
     """Names of the modules `targets` select: a target matches an nn.Linear whose dotted name has it as a
     component (the module itself, or anything inside a module of that name), or the routed experts
@@ -244,7 +255,10 @@ def match_targets(model: nn.Module, targets: list[str]) -> list[str]:
                 raise ValueError(
                     f"{t!r} ({'/'.join(kinds)}) cannot take LoRA: linears, the routed experts and the router can"
                 )
-            raise ValueError(f"{t!r} matches no module of this model")
+            names = target_names(model)
+            near = difflib.get_close_matches(t, names, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"{t!r} matches no module of this model ({hint}its targets: {', '.join(names)})")
         chosen |= hits
     return sorted(chosen, key=list(modules).index)
 
@@ -306,6 +320,45 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
         for n, m in model.named_modules()
         if any(is_lora_key(p) for p, _ in m.named_parameters(recurse=False))
     }
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model for a while, with no second copy of it (DPO's reference): every adapter's scale is 0,
+    so each adapted layer adds B A x times 0, exactly nothing, to its base output."""
+    mods = [m for m in lora_modules(model).values() if isinstance(getattr(m, "scale", None), float)]
+    saved = [m.scale for m in mods]
+    try:
+        for m in mods:
+            m.scale = 0.0
+        yield
+    finally:
+        for m, scale in zip(mods, saved, strict=True):
+            m.scale = scale
+
+
+def set_trainable(
+    model: nn.Module, train_router: bool, train_mtp: bool, dsa_stage: str | None = None
+) -> None:
+    """After apply_lora (or without it): the MTP modules' own weights and every router's weight trainable or
+    frozen (a LoRA base weight stays frozen whatever train_mtp says), then the sparse-attention stage's
+    freezing: the dense warm-up trains the lightning indexers alone, the frozen stage everything but them."""
+    adapted = {
+        id(p) for m in lora_modules(model).values() for n, p in m.named_parameters() if not is_lora_key(n)
+    }
+    for p in model.mtp.parameters():
+        if id(p) not in adapted:
+            p.requires_grad = train_mtp
+    for router in model.modules():  # every gate: V4's hash layers' too (routers() lists the biased ones)
+        if isinstance(router, Router) and not isinstance(router, LoRARouter):
+            router.weight.requires_grad = train_router
+    indexers = {id(p) for indexer in model.indexers() for p in indexer.parameters()}
+    if dsa_stage == "dense":
+        for p in model.parameters():
+            p.requires_grad = p.requires_grad and id(p) in indexers
+    elif dsa_stage == "frozen":
+        for p in model.parameters():
+            p.requires_grad = p.requires_grad and id(p) not in indexers
 
 
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,18 +20,30 @@ from torch import nn
 
 from dstrain.batch import target_mask
 
-from .kernels import Linear, compute_dtype, linear
+from .kernels import Linear, compute_dtype, gpu_kernels, linear
 
 CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MiB in fp32 ...
 CHUNK_ROWS = 256  # ... but at least this many rows: fewer would re-read the whole weight for too little work
+# On a GPU each chunk is a few launches that re-read the whole head: 256-row chunks of a 129280 vocabulary left
+# its GEMMs launch- and memory-bound (64 chunks a step on an H200); 1 GiB of fp32 logits is still small there.
+GPU_CHUNK_ELEMENTS = 2**28
+GPU_CHUNK_ROWS = 2048
+
+
+def chunk_rows(vocab: int, gpu: bool) -> int:
+    """Rows of one chunk of the head's loss: GPU kernels (kernels.gpu_kernels) or the CPU's."""
+    if gpu:
+        return max(GPU_CHUNK_ROWS, GPU_CHUNK_ELEMENTS // vocab)
+    return max(CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
 
 
 def ce_chunk(
-    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, want_grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, want_grad: bool, mask_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: (summed cross-entropy of the valid rows, d loss / d logits in the logits' dtype or None).
     Few passes over the (rows x vocab) logits: fused log-softmax in fp32, softmax in place of it, the -1 at
-    each target, the cast back, the mask."""
+    each target, the cast back, the mask (left to the caller with `mask_grad=False`: it masks rows of the
+    narrower products instead)."""
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     loss = -(logp.gather(1, targets.unsqueeze(1)).squeeze(1) * valid).sum()
     if not want_grad:
@@ -39,39 +51,68 @@ def ce_chunk(
     grad = logp.exp_()
     grad.scatter_add_(1, targets.unsqueeze(1), grad.new_full((targets.numel(), 1), -1.0))
     grad = grad.to(logits.dtype)  # the mask is 0 / 1: exact in any dtype, applied after the cast
-    return loss, grad.mul_(valid.to(grad.dtype).unsqueeze(1))
+    return loss, grad.mul_(valid.to(grad.dtype).unsqueeze(1)) if mask_grad else grad
 
 
 def _weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """grad^T h, fp32 out on a GPU (its bf16 GEMM accumulates in fp32: no rounding of the result); elsewhere
-    in the compute dtype of `kernels.linear`."""
-    if h.device.type == "cuda" and h.dtype != torch.float32:
-        return torch.mm(grad.t(), h, out_dtype=torch.float32)
+    """grad^T h in the compute dtype of `kernels.linear` (the CPU path)."""
     return linear(grad.t(), h.t())
+
+
+_DTYPE_ADDMM_IN_PLACE: dict[str, bool] = {}  # per device type: does addmm take an fp32 `self` with out_dtype?
+
+
+def _accumulate_weight_grad(dw: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """dw += grad^T h, dw fp32: one GEMM with fp32 accumulation writing into dw, no (vocab x hidden)
+    temporary. Older torch (2.8's Blas.cpp) refuses an fp32 `self` for a bf16 addmm with out_dtype: there the
+    fp32 product is a temporary, added once per chunk (2048-row chunks make that a few adds a step)."""
+    if grad.dtype == dw.dtype:
+        dw.addmm_(grad.t(), h)
+    elif h.device.type != "cuda":  # a CPU has no out_dtype GEMM: the same math on upcast (rows x ...) inputs
+        dw.addmm_(grad.t().to(dw.dtype), h.to(dw.dtype))
+    elif _DTYPE_ADDMM_IN_PLACE.get(h.device.type, True):
+        try:
+            torch.addmm(dw, grad.t(), h, out_dtype=dw.dtype, out=dw)
+            _DTYPE_ADDMM_IN_PLACE[h.device.type] = True
+        except RuntimeError as exc:  # argument checks only, before any kernel: dw is untouched
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            _DTYPE_ADDMM_IN_PLACE[h.device.type] = False
+            dw.add_(torch.mm(grad.t(), h, out_dtype=dw.dtype))
+    else:
+        dw.add_(torch.mm(grad.t(), h, out_dtype=dw.dtype))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, valid, chunk_fn):  # noqa: ANN001, ANN205
         want_h, want_w = ctx.needs_input_grad[:2]
-        rows = max(CHUNK_ROWS, CHUNK_ELEMENTS // weight.shape[0])
+        gpu = gpu_kernels(h.device)
+        rows = chunk_rows(weight.shape[0], gpu)
         total = h.new_zeros((), dtype=torch.float32)
         dh = torch.empty_like(h) if want_h else None
         # The weight's gradient sums every chunk's: in fp32 where there are several, as autograd's one GEMM
-        # would accumulate (a bf16 sum would round once per chunk: 16-64 times per micro batch)
+        # would accumulate (a bf16 sum would round once per chunk: 16-64 times per micro batch); on GPUs always
+        # one fp32 buffer the GEMMs accumulate into.
         chunks = -(-h.shape[0] // rows)
-        dw = torch.zeros_like(weight, dtype=torch.float32 if chunks > 1 else weight.dtype) if want_w else None
+        acc = torch.float32 if chunks > 1 or gpu else weight.dtype
+        dw = torch.zeros_like(weight, dtype=acc) if want_w else None
         for s in range(0, h.shape[0], rows):
-            hc = h[s : s + rows]
-            loss, grad = chunk_fn(
-                linear(hc, weight), targets[s : s + rows], valid[s : s + rows], want_h or want_w
-            )
+            hc, vc = h[s : s + rows], valid[s : s + rows]
+            loss, grad = chunk_fn(linear(hc, weight), targets[s : s + rows], vc, want_h or want_w, not gpu)
             total += loss
+            if gpu:  # the mask on the chunk's rows of h and dh, not on its (rows x vocab) gradient
+                row_mask = vc.to(h.dtype).unsqueeze(1)
+                if want_h:
+                    torch.mul(linear(grad, weight.t()), row_mask, out=dh[s : s + rows])
+                if want_w:
+                    _accumulate_weight_grad(dw, grad, hc * row_mask)
+                continue
             if want_h:
                 dh[s : s + rows] = linear(grad, weight.t())
             if want_w and dw.dtype == hc.dtype and compute_dtype(hc) == hc.dtype:
                 dw.addmm_(grad.t(), hc)
-            elif want_w:  # the chunk's product in the compute dtype (fp32 out on GPUs), summed in dw's
+            elif want_w:  # the chunk's product in the compute dtype, summed in dw's
                 dw.add_(_weight_grad(grad, hc))
         ctx.save_for_backward(dh, dw.to(weight.dtype) if dw is not None else None)
         return total
@@ -82,6 +123,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # The saved gradients are this call's alone and backward runs once: scale them in place.
         dh = dh.mul_(grad) if dh is not None else None
         return dh, (dw.mul_(grad) if dw is not None else None), None, None, None
+
+
+class _LinearTokenCrossEntropy(torch.autograd.Function):
+    """Each row's cross-entropy (0 where not valid), for losses that weigh rows unequally (DPO's sequence
+    log-probabilities). The upstream gradient differs per row, so it cannot be applied in the forward as
+    `_LinearCrossEntropy` does: backward recomputes each chunk's logits instead (one more head GEMM), and
+    neither pass keeps more than one chunk of logits."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, valid):  # noqa: ANN001, ANN205
+        rows = chunk_rows(weight.shape[0], gpu_kernels(h.device))
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], rows):
+            logp = torch.log_softmax(linear(h[s : s + rows], weight), dim=-1, dtype=torch.float32)
+            picked = logp.gather(1, targets[s : s + rows].unsqueeze(1)).squeeze(1)
+            out[s : s + rows] = -picked * valid[s : s + rows]
+        ctx.save_for_backward(h, weight, targets, valid)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        h, weight, targets, valid = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
+        rows = chunk_rows(weight.shape[0], gpu_kernels(h.device))
+        dh = torch.empty_like(h) if want_h else None
+        dw = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        g = grad.float() * valid
+        for s in range(0, h.shape[0], rows):
+            hc = h[s : s + rows]
+            logits = linear(hc, weight)
+            d = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            d.scatter_add_(1, targets[s : s + rows].unsqueeze(1), d.new_full((hc.shape[0], 1), -1.0))
+            d = d.mul_(g[s : s + rows].unsqueeze(1)).to(logits.dtype)
+            if want_h:
+                dh[s : s + rows] = linear(d, weight.t())
+            if want_w:
+                _accumulate_weight_grad(dw, d, hc)
+        return dh, (dw.to(weight.dtype) if dw is not None else None), None, None
 
 
 class Head(Linear):
@@ -95,11 +174,15 @@ class Head(Linear):
         targets: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         hits: bool = False,
+        per_row: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`hits` (evaluation): also count the valid rows whose top-1 token is the target."""
+        """`hits` (evaluation): also count the valid rows whose top-1 token is the target; `per_row`: each
+        row's cross-entropy (fp32, 0 where not valid) instead of their sum."""
         if targets is None:
             return linear(x, self.weight, self.bias)
         assert self.bias is None, "the LM head has no bias"
+        if per_row:
+            return _LinearTokenCrossEntropy.apply(x, self.weight, targets, valid.to(torch.float32))
         if hits:
             return self._loss_and_hits(x, targets, valid)
         return _LinearCrossEntropy.apply(x, self.weight, targets, valid.to(torch.float32), self.chunk_fn)
@@ -111,7 +194,7 @@ class Head(Linear):
         self, x: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed cross-entropy, as the training path computes it, chunk by chunk; the hits)."""
-        rows = max(CHUNK_ROWS, CHUNK_ELEMENTS // self.weight.shape[0])
+        rows = chunk_rows(self.weight.shape[0], gpu_kernels(x.device))
         total = x.new_zeros((), dtype=torch.float32)
         hits = torch.zeros((), dtype=torch.int64, device=x.device)
         for s in range(0, x.shape[0], rows):
@@ -143,6 +226,18 @@ def ce_sum(
     if hits:
         return ce, ((logits.argmax(-1) == targets) & valid).sum(), valid.sum()
     return ce, valid.sum()
+
+
+def ce_rows(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) fp32 cross-entropy of each position (0 where not valid), logits never kept (loss.Head); a head
+    replaced by a LoRA adapter computes plain logits."""
+    shape = valid.shape
+    h, valid = h.flatten(0, -2), valid.flatten()
+    targets = torch.where(valid, targets.flatten(), 0)
+    if isinstance(head, Head):
+        return head(h, targets, valid, per_row=True).view(shape)
+    ce = F.cross_entropy(head(h).float(), targets, reduction="none")
+    return (ce * valid).view(shape)
 
 
 def target_rows(t: int, labels: torch.Tensor, shift: int) -> int:

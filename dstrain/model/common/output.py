@@ -16,8 +16,8 @@ class ModelOutput(dict):
     inside dataclasses). Fields: logits, loss, lm_loss_sum, lm_tokens, mtp_loss_sum, mtp_tokens, aux_loss,
     expert_load, mtp_hits (in eval mode: positions where MTP depth 1's top-1 token is the target, the draft
     acceptance of speculative decoding), indexer_stats (sparse attention: fp64 [KL sum, queries, recall sum,
-    queries counted for recall] over the indexers of this forward, dsa.PassResult); an unset field reads as
-    None."""
+    queries counted for recall] over the indexers of this forward, dsa.PassResult), lm_token_loss ((B, T')
+    fp32 per-position cross-entropy, with `token_losses=True`); an unset field reads as None."""
 
     FIELDS = (
         "logits",
@@ -30,6 +30,7 @@ class ModelOutput(dict):
         "expert_load",
         "mtp_hits",
         "indexer_stats",
+        "lm_token_loss",
     )
 
     def __getattr__(self, name: str):  # noqa: ANN204

@@ -32,13 +32,22 @@ class Variant:
     """The config.json key of the MTP depth written beside `num_nextn_predict_layers` (None: that one only)."""
     mtp_head_copies: bool = True
     """The checkpoint's MTP layers carry copies of the embedding and the head (DeepSeek's do, GLM-5's not)."""
+    finetune_dsa_stage: str = "frozen"
+    """--dsa_stage auto's stage for a full fine-tune of a checkpoint: DeepSeek-V3.2's report (section 2.2) has
+    post-training "employ sparse attention in the same way as the sparse continued pre-training stage"
+    (indexer trained by the KL): 'sparse'; GLM-5's report states only its RL's rule, indexer frozen."""
 
 
 VARIANTS = {
     "deepseek_v3": Variant("DeepseekV3ForCausalLM", "DeepseekV3Config", "v3"),
     "deepseek_v2": Variant("DeepseekV2ForCausalLM", "DeepseekV2Config", "v2"),
     "deepseek_v32": Variant(
-        "DeepseekV32ForCausalLM", "DeepseekV32Config", "v3", sparse_attention=True, mtp_key=""
+        "DeepseekV32ForCausalLM",
+        "DeepseekV32Config",
+        "v3",
+        sparse_attention=True,
+        mtp_key="",
+        finetune_dsa_stage="sparse",
     ),
     "glm_moe_dsa": Variant(
         "GlmMoeDsaForCausalLM",
@@ -343,6 +352,11 @@ class ModelConfig:
     def sparse_attention(self) -> bool:
         """DeepSeek Sparse Attention (a lightning indexer per full layer)."""
         return self.index_topk is not None
+
+    @property
+    def finetune_dsa_stage(self) -> str:
+        """--dsa_stage auto's stage for a full fine-tune of a checkpoint of this variant (Variant's)."""
+        return self.variant.finetune_dsa_stage
 
     def has_indexer(self, layer_idx: int) -> bool:
         """Layer `layer_idx` (MTP blocks: >= num_hidden_layers) runs its own lightning indexer."""

@@ -22,7 +22,7 @@ from ..common.attention import AttentionLayout, attention_layout, rope_cos_sin
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
 from ..common.layers import MLP, Experts, RMSNorm, Router, sequence_balance, update_expert_bias
-from ..common.loss import Head, ce_sum, combine_losses, mtp_depth_loss, target_rows
+from ..common.loss import Head, ce_rows, ce_sum, combine_losses, mtp_depth_loss, target_rows
 from ..common.output import ModelOutput
 from .attention import MLA, rope_frequencies
 from .config import ModelConfig
@@ -194,9 +194,11 @@ class DeepSeekLM(SparseControls, nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
+        token_losses: bool = False,
     ) -> ModelOutput:
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document; labels (B, T) unshifted,
-        -100 = not a target. Logits are returned when there are no labels (or when asked)."""
+        -100 = not a target. Logits are returned when there are no labels (or when asked); `token_losses`
+        also returns each position's cross-entropy (`lm_token_loss`, what DPO's sequence log-probs sum)."""
         b, t = input_ids.shape
         if self.seq_parallel is not None:
             t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
@@ -222,7 +224,9 @@ class DeepSeekLM(SparseControls, nn.Module):
             return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
 
         main_loads = torch.stack(loads) if loads else None
-        return self.finish(h, ahead, rope, layout, position_ids, labels, aux, main_loads, return_logits)
+        return self.finish(
+            h, ahead, rope, layout, position_ids, labels, aux, main_loads, return_logits, token_losses
+        )
 
     def rope_and_layout(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
@@ -267,6 +271,7 @@ class DeepSeekLM(SparseControls, nn.Module):
         aux: torch.Tensor | None,
         loads: torch.Tensor | None,
         return_logits: bool | None = None,
+        token_losses: bool = False,
     ) -> ModelOutput:
         """Final norm, head, losses and the MTP depths, from the last block's output `h`, the summed balance
         loss `aux` and the (main MoE layers, E) expert `loads` of the blocks before (the pipeline's last stage
@@ -280,9 +285,12 @@ class DeepSeekLM(SparseControls, nn.Module):
         run_mtp = labels is not None and len(self.mtp) > 0
         if labels is not None:
             n = target_rows(t, labels, 1)
-            out.lm_loss_sum, out.lm_tokens = self._ce_sum(
-                main_hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
-            )
+            valid = target_mask(labels, position_ids, 1)[:, :n]
+            if token_losses:  # (B, n): position i's loss predicting labels[:, i + 1]
+                out.lm_token_loss = ce_rows(self.lm_head, main_hidden[:, :n], labels[:, 1 : 1 + n], valid)
+                out.lm_loss_sum, out.lm_tokens = out.lm_token_loss.sum(), valid.sum()
+            else:
+                out.lm_loss_sum, out.lm_tokens = self._ce_sum(main_hidden[:, :n], labels[:, 1 : 1 + n], valid)
         mtp_loads = []
         if run_mtp:
             sums, counts = [], []

@@ -28,6 +28,8 @@ FAMILY = Family(
         "adapters is built): drop --adapter_only",
         "memory_estimate": "the memory estimate does not model DeepSeek-V4 yet: its parameters are "
         "`dstrain.model.param_counts`; measure a short run for its activations",
+        "dpo": "DeepSeek-V4 does not return per-token losses yet (the sequence log-probabilities DPO needs); "
+        "DPO runs on the DeepSeek-V3 family",
     },
     splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
 )

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common.attention import inverse_frequencies
-from ..common.dsa import SparseSettings, inject
+from ..common.dsa import SparseSettings, inject, top_keys
 from ..common.kernels import Linear, gpu_kernels
 from ..common.layers import RMSNorm
 from .config import CSA, SLIDING, V4Config
@@ -154,7 +154,9 @@ class Compressor(nn.Module):
             return x.new_zeros(b, 0, d)
         width = self.position_bias.shape[-1]
         kv = self.kv_proj(x[:, : nw * m]).view(b, nw, m, width)
-        gate = self.gate_proj(x[:, : nw * m]).view(b, nw, m, width) + self.position_bias
+        # the position bias joins the gate in fp32 whatever the dtype it arrives in (bf16 under DeepSpeed)
+        work = torch.promote_types(x.dtype, torch.float32)
+        gate = self.gate_proj(x[:, : nw * m]).view(b, nw, m, width).to(work) + self.position_bias.to(work)
         if self.overlap:
             before = kv.new_zeros(b, 1, m, d)
             kv = torch.cat([torch.cat([before, kv[:, :-1, :, :d]], dim=1), kv[..., d:]], dim=2)
@@ -214,11 +216,11 @@ class Indexer(Compressor):
         return (dots * w.unsqueeze(-1)).sum(dim=2)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """(B, T, n) bool: each query's top-k visible entries (all of them when fewer)."""
+        """(B, T, n) bool: each query's top-k visible entries (all of them when fewer), ties broken by DSA's
+        deterministic rule (`dsa.top_keys`: the later entry wins)."""
         scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
         chosen = torch.zeros_like(scores, dtype=torch.bool)
-        chosen.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+        chosen.scatter_(-1, top_keys(scores, self.topk), True)
         return chosen & visible
 
 
@@ -270,13 +272,20 @@ def attend(
 
 
 def indexer_kl(
-    scores: torch.Tensor, probs: torch.Tensor, support: torch.Tensor, chosen: torch.Tensor | None
+    scores: torch.Tensor,
+    probs: torch.Tensor,
+    support: torch.Tensor,
+    chosen: torch.Tensor | None,
+    real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's KL rule (DSA's, over compressed entries): per query, the target is the attention's
     probabilities of the entries in `support` (normalised with the window and the sink, summed over heads),
     L1-normalised; the loss KL(target || softmax of the index scores over the support), queries without an
-    entry skipped. -> (d KL sum / d scores (fp32), fp64 [KL sum, queries, recall sum, recall queries]); the
-    recall (target mass inside the selection `chosen`) where the support is not the selection itself."""
+    entry skipped, and padding's (`real` (B, T) False) too, as in DSA (dsa.Target.real). -> (d KL sum / d
+    scores (fp32), fp64 [KL sum, queries, recall sum, recall queries]); the recall (target mass inside the
+    selection `chosen`) where the support is not the selection itself."""
+    if real is not None:
+        support = support & real.unsqueeze(-1)
     has = support.any(dim=-1, keepdim=True)
     p = torch.where(support, probs.double(), 0.0)
     p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
@@ -368,10 +377,11 @@ class V4Attention(nn.Module):
         return scores, indexer.select(scores.detach(), visible)
 
     def _indexer_loss(self, o, scores, probs, support, chosen, inputs):  # noqa: ANN001, ANN202
-        grad, stats = indexer_kl(scores, probs, support, chosen)
+        grad, stats = indexer_kl(scores, probs, support, chosen, inputs.real)
         inputs.stats[self.sparse.layer] = stats
         if self.training and torch.is_grad_enabled() and scores.requires_grad:
-            factor = self.sparse.grad_scale
-            factor = factor if factor is not None else 1.0 / (scores.shape[0] * scores.shape[1])
+            real = inputs.real  # the default: the mean over the forward's real queries
+            queries = real.sum().clamp(min=1) if real is not None else scores.shape[0] * scores.shape[1]
+            factor = self.sparse.grad_scale if self.sparse.grad_scale is not None else 1.0 / queries
             o = inject(o, factor, (scores,), (grad,))
         return o

@@ -341,6 +341,12 @@ class V4Config:
         return CSA in self.layer_types or CSA in self.mtp_layer_types
 
     @property
+    def finetune_dsa_stage(self) -> str:
+        """--dsa_stage auto's stage for a full fine-tune of a V4 checkpoint: 'frozen' (no published rule for
+        V4's post-training indexer; its indexers already follow its attention)."""
+        return "frozen"
+
+    @property
     def is_moe(self) -> bool:
         """Every V4 layer is MoE (the balancing acts on the biased, non-hash ones)."""
         return True

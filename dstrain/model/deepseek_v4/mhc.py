@@ -2,8 +2,9 @@
 
 Each sublayer reads one collapsed input (a weighted sum of the streams, the `pre` weights) and writes back
 `post * output + comb^T @ streams`, where `comb` (n x n per token) is pushed towards a doubly stochastic matrix
-by Sinkhorn-Knopp iterations. All weights are computed in fp32 from the streams themselves. A final head
-collapses the streams before the model's norm.
+by Sinkhorn-Knopp iterations. All weights are computed in fp32 from the streams themselves, from the mHC
+parameters upcast (they reach the forward in bf16 under DeepSpeed's bf16 engine), and the streams are
+collapsed and mixed in fp32. A final head collapses the streams before the model's norm.
 """
 
 from __future__ import annotations
@@ -66,12 +67,33 @@ def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 
 def expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """The streams after a sublayer: stream_k = post_k * out + sum_j comb[j, k] * stream_j (weights cast to
-    the streams' dtype first, as transformers mixes)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    """The streams after a sublayer: stream_k = post_k * out + sum_j comb[j, k] * stream_j, mixed in fp32 and
+    returned in the streams' dtype (DeepSeek's hc_post; transformers casts the weights to bf16 first, which
+    rounds post and comb to 8 bits before they act)."""
+    return _Expand.apply(post, comb, out, streams)
+
+
+class _Expand(torch.autograd.Function):
+    """`expand` keeping for backward only its inputs as they came (bf16 streams, not an fp32 copy of them per
+    sublayer), upcast again there."""
+
+    @staticmethod
+    def forward(ctx, post, comb, out, streams):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(post, comb, out, streams)
+        work = torch.promote_types(streams.dtype, torch.float32)
+        mixed = post.to(work).unsqueeze(-1) * out.to(work).unsqueeze(-2)
+        return mixed.add_(torch.matmul(comb.to(work).transpose(-1, -2), streams.to(work))).to(streams.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        post, comb, out, streams = ctx.saved_tensors
+        work = torch.promote_types(streams.dtype, torch.float32)
+        g = grad.to(work)
+        d_post = (g * out.to(work).unsqueeze(-2)).sum(-1).to(post.dtype)
+        d_out = (g * post.to(work).unsqueeze(-1)).sum(-2).to(out.dtype)
+        d_comb = torch.matmul(streams.to(work), g.transpose(-1, -2)).to(comb.dtype)
+        d_streams = torch.matmul(comb.to(work), g).to(streams.dtype)
+        return d_post, d_comb, d_out, d_streams
 
 
 class HyperHead(nn.Module):

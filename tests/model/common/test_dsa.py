@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dstrain.batch import IGNORE_INDEX, PAD_POSITION
 from dstrain.model import DeepSeekLM, from_pretrained
 from dstrain.model.common import dsa as dsa_module
 from dstrain.model.common.dsa import Target, index_pass, top_keys
@@ -299,3 +300,38 @@ def test_lora_on_the_indexer_learns_from_its_kl_and_merges_exactly():
         before = model(ids).logits
         merge_lora(model)
         assert (model(ids).logits - before).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("stage", ["dense", "sparse"])
+def test_padding_queries_give_the_indexer_no_loss_and_no_gradient(stage):
+    """A batch whose second row ends in padding (PAD_POSITION) gives the indexer the gradient and the KL
+    figures of its rows run alone without the padding (Megatron-LM's THD path drops padded queries); the
+    default scale is the mean over the real queries. Within 1e-6: the attention the target comes from runs in
+    fp32 on the CPU whatever the model's dtype, and the rows' shapes differ."""
+    cfg = tiny_config(model_type="deepseek_v32", num_hidden_layers=1, first_k_dense_replace=1,
+                      num_nextn_predict_layers=0, index_topk=5, index_n_heads=4, index_head_dim=16)  # fmt: skip
+    model = DeepSeekLM(cfg).double()
+    init_weights(model, 0)
+    model.train().set_sparse_attention(stage)
+    params = list(model.layers[0].self_attn.indexer.parameters())
+
+    def run(ids, pos, scale):  # noqa: ANN001, ANN202
+        model.set_indexer_grad_scale(scale)
+        labels = ids.masked_fill(pos == PAD_POSITION, IGNORE_INDEX) if pos is not None else ids
+        out = model(ids, position_ids=pos, labels=labels)
+        return torch.autograd.grad(out.loss, params), out.indexer_stats
+
+    t, n = 24, 17
+    ids = torch.randint(0, cfg.vocab_size, (2, t), generator=torch.Generator().manual_seed(5))
+    row1 = torch.cat([torch.arange(10), torch.arange(n - 10)])  # two documents, then 7 padding positions
+    pos = torch.stack([torch.arange(t), torch.cat([row1, torch.full((t - n,), PAD_POSITION)])])
+    padded, stats = run(ids, pos, None)
+    alone0, stats0 = run(ids[:1], None, 1.0)
+    alone1, stats1 = run(ids[1:, :n], row1[None], 1.0)
+    assert stats[1] == stats0[1] + stats1[1] == t + n
+    assert abs(stats[0] - stats0[0] - stats1[0]) <= 1e-6 * abs(stats[0])
+    if stage == "dense":
+        assert stats[3] == t + n and abs(stats[2] - stats0[2] - stats1[2]) <= 1e-6 * abs(stats[2])
+    for got, a, b in zip(padded, alone0, alone1, strict=True):
+        want = (a + b) / (t + n)
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()

@@ -66,6 +66,10 @@ def test_adapters_land_exactly_on_the_named_modules():
     ("targets", "message"),
     [
         (["nothing_here"], "matches no module"),
+        (
+            ["q_proj"],
+            "did you mean 'q_b_proj'\\? its targets: down_proj, eh_proj, experts, gate, gate_proj, kv_a_",
+        ),
         (["input_layernorm"], "'input_layernorm' \\(RMSNorm\\) cannot take LoRA"),
         (["embed_tokens"], "'embed_tokens' \\(Embedding\\) cannot take LoRA"),
     ],

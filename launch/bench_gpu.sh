@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# dstrain on one GPU, one command, at most CAP seconds (480 by default): `dstrain env`, the smoke, the model
+# step against transformers (bench_model.py v2lite-4), real `deepspeed --num_gpus 1 dstrain/train.py` runs of
+# the V2-Lite-4 folder it writes (ZeRO-1 and ZeRO-3, eager and --compile: tokens/s and MFU) and the top kernels
+# of a profiled ZeRO-1 step. From the project root:
+#   bash launch/bench_gpu.sh                  # OUT=/tmp/bench_gpu: log.txt, each run's metrics.jsonl
+# A part that would not fit the time left is skipped (said in the log). Unmeasured so far: written without a GPU.
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled HF_HUB_OFFLINE=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/bench_gpu}; CAP=${CAP:-480}; LOG=$OUT/log.txt; RUNS=$OUT/runs; FOLDER=$OUT/v2lite4
+mkdir -p "$OUT" "$RUNS"; : >"$LOG"; T0=$(date +%s)
+left() { echo $(( CAP - ($(date +%s) - T0) )); }
+say() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
+part() {  # seconds at most, name, command...: run it with the smaller of its limit and the time left
+  local to=$1 name=$2; shift 2
+  [ "$(left)" -lt 20 ] && { say "skip $name: $(left) s left"; return; }
+  [ "$to" -gt "$(left)" ] && to=$(left)
+  say "$name (<= $to s)"; timeout "$to" "$@" 2>&1 | tee -a "$LOG" | tail -n 40; echo "rc=${PIPESTATUS[0]}" >>"$LOG"
+}
+run_ds() {  # name, steps, seconds at most, dstrain train args...: stopped once the steps are logged
+  local name=$1 n=$2 to=$3; shift 3
+  [ "$(left)" -lt 30 ] && { say "skip $name: $(left) s left"; return; }
+  [ "$to" -gt "$(left)" ] && to=$(left)
+  say "deepspeed $name ($n steps, <= $to s): $*"
+  local dir=$RUNS/$name m=$RUNS/$name/metrics.jsonl
+  setsid deepspeed --num_gpus 1 dstrain/train.py --output_dir "$dir" --log_every 1 --max_steps 100000 \
+    --save_every 0 --no-plots "$@" >>"$LOG" 2>&1 &
+  local pid=$! t=$(date +%s)
+  while kill -0 $pid 2>/dev/null; do
+    [ -f "$m" ] && [ "$(grep -c '"tokens_per_s"' "$m")" -ge "$n" ] && break
+    [ $(( $(date +%s) - t )) -ge "$to" ] && { say "$name: time limit"; break; }
+    sleep 1
+  done
+  kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  [ -f "$m" ] && $PY launch/gpu_report.py run "$name" "$m" | tee -a "$LOG"
+  for f in "$dir"/profile/*.json; do [ -f "$f" ] && $PY launch/gpu_report.py trace "$f" 20 | tee -a "$LOG"; done
+  rm -rf "$dir"/checkpoints "$dir"/profile
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
+part 60 "dstrain env" $PY -m dstrain env
+part 90 "smoke" $PY -m dstrain smoke --device cuda
+part 150 "model step against transformers" $PY launch/bench_model.py --device cuda --configs v2lite-4 \
+  --figures speed,memory --rounds 2
+part 60 "V2-Lite-4 folder" $PY launch/gpu_report.py folder "$FOLDER"
+COMMON="--model $FOLDER --precision bf16 --seq_len 4096 --micro_batch_size 2"
+run_ds z1_eager 10 60 $COMMON --config zero1 --profile_steps 8:8
+run_ds z1_compile 10 80 $COMMON --config zero1 --compile
+run_ds z3_eager 8 50 $COMMON --config zero3
+run_ds z3_compile 8 70 $COMMON --config zero3 --compile
+say "end ($(left) s left); figures: grep '\"run\"' $LOG"
