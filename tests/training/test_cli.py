@@ -323,7 +323,7 @@ def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path):
         "--moe_aux_loss_alpha",
         "0",
         "--max_steps",
-        "14",
+        "24",
         "--no-plots",
     ]
     out = train([*flags, "--output_dir", str(tmp_path / "run")]).stdout
