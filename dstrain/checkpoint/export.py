@@ -27,6 +27,7 @@ from dstrain.cmdline import command_parser
 from dstrain.errors import CheckpointError, ConfigError, UserError
 from dstrain.model import ModelConfig, family_of
 from dstrain.model.build import hf_tensors, parse_dtype, write_config
+from dstrain.model.common.dsa import top_keys
 from dstrain.model.common.layers import EXPERT_BIAS, is_expert_bias
 from dstrain.model.common.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
@@ -351,8 +352,6 @@ class TieRule(TorchFunctionMode):
         dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
         if dim not in (-1, scores.dim() - 1) or not kwargs.get("largest", True) or k >= scores.shape[-1]:
             return func(*args, **kwargs)
-        from dstrain.model.common.dsa import top_keys
-
         ordered = scores.sort(dim=-1, descending=True).values
         self.tied_rows += int(((ordered[..., k - 1] == ordered[..., k]) & ordered[..., k].isfinite()).sum())
         indices = top_keys(scores, k)

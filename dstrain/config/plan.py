@@ -18,8 +18,8 @@ from typing import Any
 from dstrain import dist
 from dstrain.data.sources import check_local_sources
 from dstrain.errors import ConfigError
-from dstrain.model import ModelConfig, build_model, family_of, get_config
-from dstrain.model.common.lora import match_targets
+from dstrain.model import ModelConfig, family_of, get_config
+from dstrain.model.build import trainable_counts
 from dstrain.parallel import ParallelDims
 
 from .ds_config import (
@@ -63,6 +63,8 @@ class RunPlan:
     """The run folder; set by `with_output_dir` once the ranks agree on it."""
     lr_origin: str = "given"
     """Where --lr (and --min_lr) came from: "given" (flag, recipe or the DeepSpeed file), or the default."""
+    trains: tuple[int, int, tuple[str, ...]] = (1, 1, ())
+    """(elements that train, all elements, LoRA-adapted module names): `model.build.trainable_counts`."""
 
     @property
     def global_batch_rows(self) -> int:
@@ -168,15 +170,17 @@ def prepare(
     check_local_sources(opts.data)
     if opts.objective.objective == "dpo":
         _check_dpo(opts, cfg, dims)
-    if lora.lora_r > 0:
-        _check_lora_targets(cfg, lora.targets, lora.lora_targets)
+    try:  # on a meta-device copy: a target matching nothing is one line before anything exists
+        trains = trainable_counts(cfg, lora, opts.model.dsa_stage)
+    except ValueError as exc:
+        raise ConfigError(f"--lora_targets {lora.lora_targets}: {exc}") from None
     if lora.lora_r % 8 and "experts" in lora.targets:  # experts.py: r is a grouped GEMM's inner size
         notes += (
             f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
     return RunPlan(
-        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes, None, lr_origin
+        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes, None, lr_origin, trains
     )
 
 
@@ -222,16 +226,6 @@ def _check_dpo(opts: Options, cfg: Any, dims: ParallelDims) -> None:
             "--objective dpo needs --lora_r > 0: the reference is the model with its adapters off (a full "
             "fine-tune's reference, precomputed log-probabilities, is not built yet)"
         )
-
-
-def _check_lora_targets(cfg: Any, targets: list[str], flag: str) -> None:
-    """--lora_targets against the model's modules, on a meta-device copy: a target matching nothing is a
-    one-line error before any process group, memory or file exists."""
-    model = build_model(cfg, device="meta")
-    try:
-        match_targets(model, targets)
-    except ValueError as exc:
-        raise ConfigError(f"--lora_targets {flag}: {exc}") from None
 
 
 def _sparse_attention_stage(

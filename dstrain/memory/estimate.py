@@ -112,33 +112,11 @@ class Workload:
             pp_partition=o.layout.pp_partition,
             dsa_stage=o.model.dsa_stage,
             optimizer=o.optimizer.optimizer,
-            trainable=_share(trainable_counts(plan.model, o.lora, o.model.dsa_stage))
-            if o.lora.lora_r > 0
-            else 1.0,
+            trainable=plan.trains[0] / plan.trains[1] if o.lora.lora_r > 0 else 1.0,
         )
 
     def replace(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)
-
-
-def _share(counts: tuple[int, int, list[str]]) -> float:
-    return counts[0] / counts[1]
-
-
-def trainable_counts(cfg: ModelConfig, lora: Any, dsa_stage: str | None) -> tuple[int, int, list[str]]:
-    """(elements that train, all elements, the LoRA-adapted module names) of a run with the LoRA options
-    `lora` and the resolved sparse-attention stage, marked on a meta-device copy of the model by the
-    functions the run's own build calls (apply_lora, set_trainable)."""
-    from dstrain.model import build_model
-    from dstrain.model.common.lora import apply_lora, set_trainable
-
-    model = build_model(cfg, device="meta")
-    names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets) if lora.lora_r > 0 else []
-    set_trainable(
-        model, bool(lora.train_router), bool(lora.train_mtp), dsa_stage if cfg.sparse_attention else None
-    )
-    total = sum(p.numel() for p in model.parameters())
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), total, names
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +63,21 @@ def cast(model: nn.Module, dtype: torch.dtype) -> None:
                     t.data = t.data.to(want)  # the same Parameter: ties and attributes stay
                 else:
                     table[name] = t.to(want)
+
+
+def trainable_counts(cfg: Any, lora: Any, dsa_stage: str | None) -> tuple[int, int, tuple[str, ...]]:
+    """(elements that train, all elements, the LoRA-adapted module names) of a fine-tune with the LoRA options
+    `lora` (lora_r, lora_alpha, targets, train_router, train_mtp) and the resolved sparse-attention stage,
+    marked on a meta-device copy by the functions a run's build calls (apply_lora, set_trainable). ValueError
+    for targets that match nothing."""
+    from .common.lora import apply_lora, set_trainable
+
+    model = build_model(cfg, device="meta")
+    names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets) if lora.lora_r > 0 else []
+    stage = dsa_stage if cfg.sparse_attention else None
+    set_trainable(model, bool(lora.train_router), bool(lora.train_mtp), stage)
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total, tuple(names)
 
 
 def _checkpoint_dtype(path: str) -> torch.dtype | None:

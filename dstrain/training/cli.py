@@ -124,10 +124,8 @@ def what_trains(plan: RunPlan) -> str:
     target, the routers and MTP, the sparse-attention stage (and what `auto` resolved to)."""
     from collections import Counter
 
-    from dstrain.memory.estimate import trainable_counts
-
     opts = plan.opts
-    trains, total, adapted = trainable_counts(plan.model, opts.lora, opts.model.dsa_stage)
+    trains, total, adapted = plan.trains
     parts = [f"trains {count(trains)} of {count(total)} parameters ({trains / total:.2%})"]
     if adapted:
         matched = Counter(name.rpartition(".")[2] for name in adapted)
