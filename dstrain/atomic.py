@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary sibling, flush it to disk, then rename it over `path`."""
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write `text` (or bytes) to a temporary sibling, flush it to disk, then rename it over `path`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

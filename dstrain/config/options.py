@@ -341,9 +341,8 @@ class RunOptions:
 class ObjectiveOptions:
     objective: Literal["sft", "dpo"] = "sft"
     """sft: the mean cross-entropy of the target tokens (pretraining text, chats, instructions). dpo: Direct
-    Preference Optimization on preference pairs (`chosen`/`rejected` data; needs --lora_r > 0, whose
-    adapters-off model is the reference), with the routers, the expert bias, the balance loss and MTP off by
-    default (docs/training.md)."""
+    Preference Optimization on preference pairs (`chosen`/`rejected` data; the reference: --dpo_reference), with
+    the routers, the expert bias, the balance loss and MTP off by default (docs/training.md)."""
     dpo_beta: float = 0.1
     """beta of --objective dpo: how far the policy may move from the reference (TRL's default, 0.1); with
     --dpo_loss ipo its tau."""
@@ -351,6 +350,12 @@ class ObjectiveOptions:
     """sigmoid: DPO's -log sigmoid(beta * margin); ipo: IPO's squared (margin / tokens - 1 / (2 beta)), per-token
     log-ratios as in TRL, the other loss of TRL's DPOTrainer that needs nothing beyond the pairs and does not
     push the margin without bound on pairs it already ranks right (overfits less on small or noisy sets)."""
+
+    dpo_reference: Literal["auto", "adapters", "precomputed"] = "auto"
+    """The reference model of --objective dpo. adapters: the model with its LoRA adapters off, a forward per
+    micro batch (needs --lora_r > 0); precomputed: the initial model's log-probabilities of every completion,
+    from a first pass over the data before the first update, kept in the run folder (dpo_reference.safetensors)
+    for resumes on any layout. auto: adapters under LoRA, else precomputed."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("dpo_beta",))

@@ -166,10 +166,10 @@ def prepare(
         cfg, mtp_notes = _mtp_of_folder(opts, cfg, folder, check_model_folder(folder, cfg))
     opts, cfg = _sparse_attention_stage(opts, cfg, folder)
     notes = user.notes + mtp_notes
-    lora = opts.lora
     check_local_sources(opts.data)
     if opts.objective.objective == "dpo":
-        _check_dpo(opts, cfg, dims)
+        opts = _dpo_reference(opts, cfg)
+    lora = opts.lora
     try:  # on a meta-device copy: a target matching nothing is one line before anything exists
         trains = trainable_counts(cfg, lora, opts.model.dsa_stage)
     except ValueError as exc:
@@ -187,11 +187,13 @@ def prepare(
 # The learning rates a run gets where no flag, recipe or DeepSpeed file sets one: the built-in demo's for a
 # preset; for a fine-tune of a folder, DeepSeek-V3's SFT (its report, section 5.1: cosine from 5e-6 to 1e-6),
 # and under LoRA ten times that ("LoRA Without Regret", Schulman et al. 2025: LoRA's best lr is about 10x full
-# fine-tuning's). The demo's 3e-3 on a pretrained model collapses its routing within a few steps.
+# fine-tuning's); DPO: TRL's DPOConfig default (1e-6), ten times that under LoRA. The demo's 3e-3 on a pretrained model collapses its routing within a few steps.
 DEFAULT_LRS = {
     "preset default": (3e-3, None),
     "full fine-tune default (DeepSeek-V3's SFT)": (5e-6, 1e-6),
     "LoRA fine-tune default (10x full fine-tuning's)": (5e-5, 5e-6),
+    "full DPO default (TRL's)": (1e-6, None),
+    "LoRA DPO default (10x full DPO's)": (1e-5, None),
 }
 
 
@@ -201,6 +203,8 @@ def default_lr(opts: Options) -> tuple[Options, str]:
         return opts, "given"
     if not os.path.isdir(opts.model.model):
         origin = "preset default"
+    elif opts.objective.objective == "dpo":
+        origin = "LoRA DPO default (10x full DPO's)" if opts.lora.lora_r > 0 else "full DPO default (TRL's)"
     else:
         origin = (
             "LoRA fine-tune default (10x full fine-tuning's)"
@@ -214,18 +218,29 @@ def default_lr(opts: Options) -> tuple[Options, str]:
     return dataclasses.replace(opts, schedule=dataclasses.replace(opts.schedule, **changes)), origin
 
 
-def _check_dpo(opts: Options, cfg: Any, dims: ParallelDims) -> None:
-    """What --objective dpo runs today: LoRA (the reference is the adapters-off model), data parallelism
-    with ZeRO 0-3, pipeline, tensor, expert and sequence parallelism, the DeepSeek-V3 family."""
+def _dpo_reference(opts: Options, cfg: Any) -> Options:
+    """--objective dpo's reference resolved ('auto': the adapters-off model under LoRA, else the precomputed
+    log-probabilities of the initial model), the routers and MTP frozen unless asked; the family must support
+    DPO (every layout does)."""
     try:
         family_of(cfg).refuse("dpo", "--objective dpo")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if opts.lora.lora_r == 0:
+    ref = opts.objective.dpo_reference
+    if ref == "adapters" and opts.lora.lora_r == 0:
         raise ConfigError(
-            "--objective dpo needs --lora_r > 0: the reference is the model with its adapters off (a full "
-            "fine-tune's reference, precomputed log-probabilities, is not built yet)"
+            "--dpo_reference adapters needs --lora_r > 0 (the reference is the model with its adapters off); "
+            "a full fine-tune uses --dpo_reference precomputed"
         )
+    if ref == "auto":
+        ref = "adapters" if opts.lora.lora_r > 0 else "precomputed"
+    # a full fine-tune too keeps the routers and the MTP modules as they are unless asked (LoRA's defaults)
+    frozen = {k: False for k in ("train_router", "train_mtp") if k not in opts.given}
+    return dataclasses.replace(
+        opts,
+        objective=dataclasses.replace(opts.objective, dpo_reference=ref),
+        lora=dataclasses.replace(opts.lora, **frozen),
+    )
 
 
 def _sparse_attention_stage(

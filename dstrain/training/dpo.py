@@ -4,8 +4,10 @@ A batch of preference data (dstrain/data/preference.py) holds whole pairs, each 
 completions side by side in one row, chosen first: `dstrain.batch.document_index` numbers the documents that
 hold targets, and document 2k / 2k + 1 is pair k's chosen / rejected. A sequence's log-probability is the sum
 of its completion tokens' log-probabilities: the model's per-position cross-entropy (`token_losses=True`, no
-logits kept) summed by document. The reference is the same model with its LoRA adapters off
-(`lora.adapters_disabled`), run under no_grad in the same step: no second copy of the weights.
+logits kept) summed by document. The reference (`--dpo_reference`): under LoRA, the same model with its adapters
+off (`lora.adapters_disabled`), run under no_grad in the same step: no second copy of the weights; or, the
+default of a full fine-tune, the initial model's log-probabilities computed by a first pass over the data and
+stored with the run (reference.py), looked up by each completion's content.
 
 Per pair, with d = (policy_c - ref_c) - (policy_r - ref_r) (TRL's DPOTrainer, f-divergence reverse KL):
 - sigmoid (DPO): -log sigmoid(beta * d);
@@ -23,6 +25,7 @@ through the whole pipeline with the adapters off (`pipe_reference`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ from dstrain.parallel.comm import reduce_from_group
 
 from . import objective
 from .metrics import finite_or_none
+from .reference import Table, document_keys
 
 # TRL's metric names; each a mean over the step's pairs (accuracies: the share where chosen's reward is higher)
 METRICS = (
@@ -87,6 +91,15 @@ def pair_losses(
     return losses, figures
 
 
+@dataclass
+class Pairs:
+    """The documents of a list of whole-rows batches: each batch's document count and, for a precomputed
+    reference, each document's key (reference.document_keys)."""
+
+    n_docs: list[int]
+    keys: list[list[bytes]] | None = None
+
+
 class DPO:
     """The trainer's DPO step: `begin_step` counts the step's pairs over the data-parallel group, `micro`
     runs one micro batch (reference and policy forwards) and returns its loss, `end_step` the step's figures."""
@@ -100,23 +113,27 @@ class DPO:
         tp_rank: int = 0,
     ) -> None:
         self.beta, self.loss = float(opts.dpo_beta), opts.dpo_loss
+        self.precomputed = opts.dpo_reference == "precomputed"
+        self.table: Table | None = None  # the precomputed reference, once read or computed (reference.py)
         self.scale, self.weights = scale, weights
         # sequence-parallel peers hold the same pairs: only the first counts them; tensor-parallel peers
         # compute the same figures: only the first reports them (summed over the world: pipeline stages
         # before the last hold zeros)
         self.share = 1.0 if sp_rank == 0 else 0.0
         self.figure_weight = self.share if tp_rank == 0 else 0.0
-        self.n_docs: list[int] = []
+        self.pairs = Pairs([])
         # a pipeline's last stage: the reference pass's per-document log-probabilities, per micro batch
         self.ref: list[torch.Tensor] = []
         self.reference_pass, self.done = False, 0
         self.n_pairs: torch.Tensor | None = None
         self.sums: torch.Tensor | None = None  # [loss, *METRICS, pairs] over this rank's micro batches
 
-    @staticmethod
-    def number(batches: list[dict[str, torch.Tensor]]) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    def number(
+        self, batches: list[dict[str, torch.Tensor]], keys: bool | None = None
+    ) -> tuple[list[dict[str, torch.Tensor]], Pairs]:
         """(the batches with their document numbering `documents` (on whole rows: before a sequence-parallel
-        slice is cut), each batch's document count)."""
+        slice is cut), their Pairs: with `keys` (default: where the reference is precomputed) the documents'
+        keys)."""
         out, n_docs = [], []
         for b in batches:
             docs = document_index(b["labels"], b.get("position_ids"))
@@ -128,25 +145,26 @@ class DPO:
                 )
             n_docs.append(n)
             out.append({**b, "documents": docs})
-        return out, n_docs
+        with_keys = self.precomputed if keys is None else keys
+        return out, Pairs(n_docs, [document_keys(b) for b in batches] if with_keys else None)
 
     def begin_step(
         self, batches: list[dict[str, torch.Tensor]], dp_sum: Any, device: torch.device
     ) -> list[dict[str, torch.Tensor]]:
         """The whole rows' batches with their document numbering (`documents`, on the host: numbered before a
         sequence-parallel slice is cut, then sliced with it), and the global pair count (one all-reduce)."""
-        out, self.n_docs = self.number(batches)
-        local = sum(self.n_docs) // 2
+        out, self.pairs = self.number(batches)
+        local = sum(self.pairs.n_docs) // 2
         self.n_pairs = dp_sum(torch.tensor(float(local) * self.share, dtype=torch.float64, device=device))
         self.sums = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=device)
         self.ref, self.done = [], 0
         return out
 
     # ------------------------------------------------------------------ evaluation (between steps)
-    def begin_eval(self, n_docs: list[int], device: torch.device) -> None:
+    def begin_eval(self, pairs: Pairs, device: torch.device) -> None:
         """Evaluation reuses the step's state (free between steps): `micro` / `pipe_loss` then add the eval
-        micro batches' figures; `n_docs` from `number` on the eval batches' whole rows."""
-        self.n_docs, self.ref, self.done = list(n_docs), [], 0
+        micro batches' figures; `pairs` from `number` on the eval batches' whole rows."""
+        self.pairs, self.ref, self.done = pairs, [], 0
         self.n_pairs = torch.ones((), dtype=torch.float64, device=device)  # the losses' scale: not read
         self.sums = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=device)
 
@@ -155,29 +173,40 @@ class DPO:
         step = self.end_step(0.0)
         return {f"eval_{k}": step[k] for k in ("dpo_loss", "pairs", *METRICS)}
 
-    def micro(self, engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], i: int, n_global):
-        """(the model's output, the loss to hand engine.backward) for micro batch `i` (on the device)."""
-        kwargs = dict(
-            input_ids=batch["input_ids"],
-            position_ids=batch.get("position_ids"),
-            labels=batch["labels"],
-            token_losses=True,
-        )
-        with torch.no_grad(), adapters_disabled(model):
-            ref_out = engine(**kwargs)
-        out = engine(**kwargs)
+    def _logps(self, out: ModelOutput, batch: dict[str, torch.Tensor], i: int) -> tuple:
+        """(this rank's part of each document's log-probability, of its target count) in micro batch `i`."""
         docs = batch["documents"].to(out.lm_token_loss.device)
         n = out.lm_token_loss.shape[1]
         valid = target_mask(batch["labels"], batch.get("position_ids"), 1)[:, :n]
-        policy, counts = sequence_logps(out.lm_token_loss, docs[:, 1 : 1 + n], valid, self.n_docs[i])
-        ref, _ = sequence_logps(ref_out.lm_token_loss, docs[:, 1 : 1 + n], valid, self.n_docs[i])
+        return sequence_logps(out.lm_token_loss, docs[:, 1 : 1 + n], valid, self.pairs.n_docs[i])
+
+    @staticmethod
+    def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return dict(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), labels=batch["labels"],
+                    token_losses=True)  # fmt: skip
+
+    @torch.no_grad()
+    def reference(self, engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], i: int):
+        """Micro batch `i`'s documents' reference log-probabilities (whole documents under sequence
+        parallelism): from the table where precomputed, else a forward with the adapters off."""
+        if self.table is not None:
+            return self.table.lookup(self.pairs.keys[i], batch["input_ids"].device)
+        with adapters_disabled(model):
+            ref, _ = self._logps(engine(**self._inputs(batch)), batch, i)
+        sp = getattr(model, "seq_parallel", None)
+        return sp.sum(ref) if sp is not None else ref
+
+    def micro(self, engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], i: int, n_global):
+        """(the model's output, the loss to hand engine.backward) for micro batch `i` (on the device)."""
+        ref = self.reference(engine, model, batch, i)
+        out = engine(**self._inputs(batch))
+        policy, counts = self._logps(out, batch, i)
         # A sequence-parallel slice holds part of each document: the sums over the group are the documents'.
         # Every rank then computes the same loss; its gradient reaches each rank's own part (the sum's backward
         # is the identity), which the data-parallel reduction over the group adds up.
         sp = getattr(model, "seq_parallel", None)
         if sp is not None:
-            policy = reduce_from_group(policy, sp.group)
-            ref, counts = sp.sum(ref), sp.sum(counts)
+            policy, counts = reduce_from_group(policy, sp.group), sp.sum(counts)
         return out, self._loss(out, policy, ref, counts, n_global)
 
     def _loss(
@@ -207,6 +236,10 @@ class DPO:
         for b, (inputs, labels) in zip(batches, data, strict=True):
             docs = torch.where(target_mask(b["labels"], b.get("position_ids"), 1), b["documents"][:, 1:], -1)
             out.append((inputs, (*labels, host_to_device(docs, labels[0].device))))
+        if self.table is not None:  # the last stage reads the table; no reference pass
+            dev = out[0][1][0].device
+            self.ref = [self.table.lookup(keys, dev) for keys in self.pairs.keys[: len(out)]]
+            return out
         self.reference_pass = True
         try:
             with adapters_disabled(model):
@@ -225,7 +258,7 @@ class DPO:
         n = out.lm_token_loss.shape[1]
         targets = targets[:, :n]
         i = len(self.ref) if self.reference_pass else self.done
-        logps, counts = sequence_logps(out.lm_token_loss, targets, targets >= 0, self.n_docs[i])
+        logps, counts = sequence_logps(out.lm_token_loss, targets, targets >= 0, self.pairs.n_docs[i])
         if self.reference_pass:
             self.ref.append(logps.detach())
             return logps.sum().detach()

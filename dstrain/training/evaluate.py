@@ -23,7 +23,7 @@ import torch
 
 from dstrain.batch import IGNORE_INDEX
 
-from .dpo import DPO
+from .dpo import DPO, Pairs
 from .objective import StepStats
 
 
@@ -56,12 +56,12 @@ class Evaluator:
         weight: float,
         indexer_weight: float,
         dpo: DPO | None = None,
-        n_docs: list[int] | None = None,
+        pairs: Pairs | None = None,
     ) -> None:
-        """`dpo`: a DPO run's objective, the `batches` numbered by dpo.number on whole rows (`n_docs`)."""
+        """`dpo`: a DPO run's objective, the `batches` numbered by dpo.number on whole rows (`pairs`)."""
         self.batches, self.depth, self.device = batches, mtp_depth, device
         self.weight, self.indexer_weight = weight, indexer_weight
-        self.dpo, self.n_docs = dpo, n_docs
+        self.dpo, self.pairs = dpo, pairs
 
     def run(
         self, engine: Any, moe_layers: list[int], experts: int | None, pipe: bool, model: Any = None
@@ -72,7 +72,7 @@ class Evaluator:
         dev = self.device
         dpo = self.dpo
         if dpo is not None:
-            dpo.begin_eval(self.n_docs, dev)
+            dpo.begin_eval(self.pairs, dev)
         ones = torch.ones(1 + self.depth, device=dev)  # the objective's counts: unused without backward
         if pipe:
 

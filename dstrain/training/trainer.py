@@ -25,7 +25,7 @@ from dstrain.errors import CheckpointError, ConfigError, NonFiniteLossError
 from dstrain.model import combine_losses
 from dstrain.model.registry import model_class
 
-from . import objective, optimizer, watchdog
+from . import objective, optimizer, reference, watchdog
 from .build import build_for_training
 from .collapse import CollapseWatch
 from .dpo import DPO
@@ -103,11 +103,11 @@ class Trainer:
             self.eval_rows = build_eval_rows(opts.data, self._tokenizer())
         if self.eval_rows is not None:
             micro = opts.layout.micro_batch_size
-            rows, n_docs = local_batches(self.eval_rows, micro, self.data_rank, self.dims.data), None
+            rows, pairs = local_batches(self.eval_rows, micro, self.data_rank, self.dims.data), None
             if self.dpo is not None:  # documents numbered on whole rows, as a step's
-                rows, n_docs = self.dpo.number(rows)
+                rows, pairs = self.dpo.number(rows)
             batches, weights = [self._shard(b) for b in rows], self._stat_weights()
-            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, *weights, self.dpo, n_docs)
+            self.evaluator = Evaluator(batches, self.mtp_depth, self.info.device, *weights, self.dpo, pairs)
         seed_everything(opts.run.seed, self.info.rank)
         # DeepSpeed keeps the last engine's grid in a module global; a data-parallel engine must not see it.
         deepspeed.utils.groups.mpu = None
@@ -146,6 +146,8 @@ class Trainer:
         store.install_safe_loading(self.engine)
         if self.resume_path is not None:
             self._resume(self.resume_path)
+        if self.dpo is not None and self.dpo.precomputed:
+            self.dpo.table = reference.open_table(self)
 
     def _show_optimizer_table(self, table: str | None) -> None:
         """Which optimizer steps each parameter (Muon runs only): printed, and written to the run folder."""
@@ -388,8 +390,8 @@ class Trainer:
             self.engine.step()
         return bad, grad_norm
 
-    def _pipe_batches(self, step: int, batches: list, n_global: torch.Tensor, stats: StepStats) -> tuple:
-        """One train_batch of DeepSpeed's pipeline engine; the last stage hands back its outputs."""
+    def _pipe_data(self, batches: list, n_global: torch.Tensor) -> list:
+        """The pipeline's (inputs, labels) of each micro batch."""
         dev = self.info.device
         n_dev = n_global.to(dev)
 
@@ -399,7 +401,11 @@ class Trainer:
             pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous() if pos is None else pos
             return (ids, host_to_device(pos, dev)), (host_to_device(batch["labels"], dev), n_dev)
 
-        data = [feed(b) for b in batches]
+        return [feed(b) for b in batches]
+
+    def _pipe_batches(self, step: int, batches: list, n_global: torch.Tensor, stats: StepStats) -> tuple:
+        """One train_batch of DeepSpeed's pipeline engine; the last stage hands back its outputs."""
+        data = self._pipe_data(batches, n_global)
         if self.dpo is not None:  # the reference pass first; the targets' documents travel with the labels
             data = self.dpo.pipe_reference(self.engine, self.model, batches, data)
         self.engine.train_batch(data_iter=iter(data))

@@ -45,7 +45,7 @@ def test_dsa_stage_auto_follows_each_models_post_training(tmp_path):
 
 def test_the_default_lr_follows_the_kind_of_run(tmp_path):
     """A preset keeps the demo's lr; a folder's fine-tune gets DeepSeek-V3's SFT lr (5e-6 -> 1e-6), LoRA ten
-    times that; a flag or the DeepSpeed file's own lr wins and is reported as given."""
+    times that; DPO TRL's lr; a flag or the DeepSpeed file's own lr wins and is reported as given."""
     import json
 
     from dstrain.config.options import parse_options
@@ -61,6 +61,9 @@ def test_the_default_lr_follows_the_kind_of_run(tmp_path):
     assert sched(*folder) == (5e-6, 1e-6, "full fine-tune default (DeepSeek-V3's SFT)")
     assert sched(*folder, "--lora_r", "8") == (5e-5, 5e-6, "LoRA fine-tune default (10x full fine-tuning's)")
     assert sched(*folder, "--lr", "1e-4") == (1e-4, 1e-4 / 10, "given")
+    dpo = [*folder, "--objective", "dpo"]  # DPO: TRL's DPOConfig lr, ten times that under LoRA
+    assert sched(*dpo) == (1e-6, 1e-6 / 10, "full DPO default (TRL's)")
+    assert sched(*dpo, "--lora_r", "8") == (1e-5, 1e-5 / 10, "LoRA DPO default (10x full DPO's)")
     ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-5}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))

@@ -1,7 +1,7 @@
 """--objective dpo: sequence log-probabilities against transformers', the loss and its gradients against TRL's
-DPOTrainer on the same log-probabilities, the adapters-off reference against an explicit copy, the options'
-refusals, and DPO runs in the pool of ranks (one process, ZeRO-2/3 on 2 ranks, the layouts) and their eval
-figures."""
+DPOTrainer on the same log-probabilities, the adapters-off reference against an explicit copy, the precomputed
+reference (keys, table, against the live one, full fine-tunes in layouts and resumed), the options' refusals,
+and DPO runs in the pool of ranks (one process, ZeRO-2/3 on 2 ranks, the layouts) and their eval figures."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from dstrain.batch import document_index, target_mask
-from dstrain.errors import ConfigError
+from dstrain.errors import ConfigError, DataError
 from dstrain.model import build_model, from_pretrained
 from dstrain.model.common.lora import adapters_disabled, apply_lora
 from dstrain.training.dpo import METRICS, pair_losses, sequence_logps
+from dstrain.training.reference import Table, document_keys
 from tests.helpers.hf import make_hf_model, v3_config
 from tests.helpers.pairs import pair_eval_rows, pair_row
 from tests.helpers.tiny import tiny_config, tiny_v4_config
@@ -183,8 +184,16 @@ def test_dpo_options_and_refusals():
     )
     assert prepare(switched, 1, model=tiny_config()).model.mtp_loss_weight == 0.3
     assert (opts.objective.dpo_beta, opts.objective.dpo_loss) == (0.1, "sigmoid")
+    assert plan.opts.objective.dpo_reference == "adapters"  # auto: under LoRA the adapters-off model
+    full = prepare(make_options(["--objective", "dpo"]), 1, model=tiny_config())
+    assert full.opts.objective.dpo_reference == "precomputed"
+    assert (full.opts.lora.train_router, full.opts.lora.train_mtp) == (False, False)  # as under LoRA
     refusals = {
-        "--objective dpo needs --lora_r > 0": (["--objective", "dpo"], 1, tiny_config()),
+        "--dpo_reference adapters needs --lora_r > 0": (
+            ["--objective", "dpo", "--dpo_reference", "adapters"],
+            1,
+            tiny_config(),
+        ),
         "--objective dpo: DeepSeek-V4": (["--objective", "dpo", "--lora_r", "4"], 1, tiny_v4_config()),
     }
     for message, (flags, world, cfg) in refusals.items():
@@ -318,3 +327,117 @@ def test_dpo_eval_layouts_match_one_process(tmp_path, rank_pools, layout):
             assert abs(got[key] - one[key]) <= 1e-5 * abs(one[key]), (layout, key, got[key], one[key])
         for key in METRICS[:3]:
             assert abs(got[f"eval_{key}"] - one[f"eval_{key}"]) <= 1e-6, (layout, key)
+
+
+def test_a_completion_keeps_its_key_wherever_it_is_packed(tmp_path):
+    """The precomputed reference finds a completion by its content: the same document in another row, at
+    another place, beside other documents, has the same key; other tokens or other targets another key."""
+    a, b = pair_row(0), pair_row(1)
+    keys = document_keys(stack([a, b]))
+    assert len(keys) == 8 and len(set(keys)) == 8  # 2 rows of 2 pairs
+    # row b's documents first, then row a's, all in one row of 64 tokens
+    swapped = {k: torch.cat([b[k], a[k]])[None] for k in a}
+    assert document_keys(swapped) == keys[4:] + keys[:4]
+    moved = {k: v.clone()[None] for k, v in a.items()}
+    moved["labels"][0, 7] = -100  # a target fewer in the first document
+    assert document_keys(moved)[0] != keys[0] and document_keys(moved)[1:] == keys[1:4]
+    table = Table()
+    table.add(keys, torch.arange(8, dtype=torch.float64) - 30.5)
+    table.save(tmp_path / "ref.safetensors")
+    back = Table.load(tmp_path / "ref.safetensors")
+    assert back.lookup(keys[::-1], torch.device("cpu")).tolist() == [-23.5 - i for i in range(8)]
+    with pytest.raises(DataError, match="a preference pair the DPO reference pass never saw"):
+        back.lookup(document_keys(moved)[:1], torch.device("cpu"))
+
+
+@pytest.mark.multirank
+def test_the_precomputed_reference_equals_the_live_one(tmp_path, rank_pools):
+    """LoRA DPO with the reference's log-probabilities precomputed by a first pass and looked up by content
+    takes the same steps, and evaluates alike, as with the adapters-off forward beside each step (seen: equal)."""
+    live = dpo_one_process(rank_pools, tmp_path)
+    flags = f"--config zero1 {DPO_STEP} --gradient_accumulation_steps 2 --dpo_reference precomputed"
+    table = rank_pools.run(1, "tests.training.worker:dpo_run", str(tmp_path), "table", flags)[0]
+    assert (tmp_path / "table" / "dpo_reference.safetensors").is_file()
+    assert live[-1]["rewards/margins"] > 2e-3  # the policy moved away from the reference
+    for a, b in zip(live, table, strict=True):
+        for key in ("loss", "grad_norm", *METRICS):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    # the eval set's pairs are in the table too: the eval figures are the live reference's
+    live_eval = dpo_eval_one_process(rank_pools, tmp_path)["eval"][-1]
+    worker = "tests.training.worker:dpo_eval_run"
+    got = rank_pools.run(1, worker, str(tmp_path), "table_eval", flags)[0]["eval"][-1]
+    for key in ("eval_dpo_loss", *(f"eval_{k}" for k in METRICS)):
+        assert abs(got[key] - live_eval[key]) <= 1e-6 * max(1.0, abs(live_eval[key])), key
+
+
+FULL = f"{DPO_STEP} --save_every 2"
+
+
+def dpo_full_one_process(rank_pools, tmp_path) -> dict:  # noqa: ANN001
+    """Full fine-tune DPO on one process, micro batch 2 x GA 2, 3 steps (once per session)."""
+    flags = f"--config zero1 {FULL} --gradient_accumulation_steps 2"
+    worker = "tests.training.worker:dpo_full_run"
+    return rank_pools.cached("dpo_full_one", 1, worker, str(tmp_path), "full_one", flags)[0]
+
+
+@pytest.mark.multirank
+def test_full_fine_tune_dpo_starts_at_log2_and_its_reference_is_the_initial_model(tmp_path, rank_pools):
+    history = dpo_full_one_process(rank_pools, tmp_path)["history"]
+    first = history[0]  # the policy is the initial model: every reward 0, the loss log 2
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
+    assert history[-1]["rewards/margins"] > 1e-3 and history[-1]["loss"] < math.log(2)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["zero3", "pp2", "sp2"])
+def test_full_fine_tune_dpo_layouts_match_one_process(tmp_path, rank_pools, layout):
+    """The first pass and the steps in ZeRO-3 (2 data-parallel ranks, each its half of the table), PP2 (the
+    last stage's table) and SP2 (documents split over the ranks) equal one process within the layout bounds."""
+    one = dpo_full_one_process(rank_pools, tmp_path)["history"]
+    flags = {"zero3": "--config zero3", "pp2": "--config zero1 --pp 2 --gradient_accumulation_steps 2",
+             "sp2": "--config zero1 --sp 2 --gradient_accumulation_steps 2"}[layout]  # fmt: skip
+    worker = "tests.training.worker:dpo_full_run"
+    ranks = rank_pools.run(2, worker, str(tmp_path), f"full_{layout}", f"{flags} {FULL}")
+    for res in ranks:
+        for a, b in zip(one, res["history"], strict=True):
+            for key in ("loss", "grad_norm", "logps/chosen"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (layout, key, a[key], b[key])
+            for key in METRICS[:3]:
+                assert abs(a[key] - b[key]) <= 1e-6, (layout, key, a[key], b[key])
+
+
+@pytest.mark.multirank
+def test_full_fine_tune_dpo_resumes_on_another_layout(tmp_path, rank_pools):
+    """Saved at step 2 by 2 ZeRO-3 ranks, resumed by one process into a fresh folder: its reference table is
+    read beside the checkpoint (not recomputed from the trained weights) and step 3 is the straight run's."""
+    one = dpo_full_one_process(rank_pools, tmp_path)["history"]
+    worker = "tests.training.worker:dpo_full_run"
+    saved = rank_pools.run(2, worker, str(tmp_path), "full_saved", f"--config zero3 {FULL}")[0]
+    step2 = next(p for p in saved["checkpoints"] if p.endswith("step_00000002"))
+    flags = f"--config zero1 {FULL} --gradient_accumulation_steps 2"
+    resumed = rank_pools.run(1, worker, str(tmp_path), "full_resumed", flags, step2)[0]["history"]
+    assert [r["step"] for r in resumed] == [3]
+    for key in ("loss", "grad_norm", *METRICS[:3]):
+        assert abs(one[2][key] - resumed[0][key]) <= 1e-5 * max(1.0, abs(one[2][key])), key
+    assert (tmp_path / "full_resumed" / "dpo_reference.safetensors").is_file()
+
+
+@pytest.mark.multirank
+def test_the_reference_pass_covers_every_epoch_of_real_data(tmp_path, rank_pools):
+    """12 pairs of a jsonl through the data package's loader (shuffled, packed, 2 data-parallel ranks), 8 steps
+    of 4 rows: more than two epochs. The first pass stores each of the 24 completions once, every later epoch
+    finds its pairs, and the first step is the initial model against itself."""
+    words = ["the", "king", "queen", "lord", "sword", "crown", "night", "day"]
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i in range(12):
+            prompt = " ".join(words[(i + j * 3) % 8] for j in range(5))
+            f.write(
+                json.dumps({"prompt": f"{i}: {prompt}", "chosen": prompt[:9], "rejected": f"no {i}"}) + "\n"
+            )
+    res = rank_pools.run(
+        2, "tests.training.worker:dpo_data_run", str(tmp_path), str(tmp_path / "pairs.jsonl"), 8
+    )
+    first = res[0]["history"][0]
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
+    assert [r["table"] for r in res] == [24, 24] and len(res[0]["history"]) == 8
+    assert res[0]["history"][-1]["rewards/accuracies"] > 0.5

@@ -308,12 +308,37 @@ def dpo_eval_run(info, out: str, name: str, args: str) -> dict[str, Any]:  # noq
     return {"eval": tr.eval_history, "weights": weights}
 
 
-def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows=None):  # noqa: ANN001, ANN202
+def dpo_full_run(info, out: str, name: str, args: str, resume: str | None = None) -> dict[str, Any]:  # noqa: ANN001
+    """--objective dpo fine-tuning every weight (the precomputed reference), optionally resumed from a checkpoint
+    -> the history and the checkpoints' paths."""
+    tr = _dpo_trainer(info, out, name, f"--lr 1e-3 {args}", lora=False, resume=resume)
+    root = Path(out) / name / "checkpoints"
+    return {"history": tr.history, "checkpoints": sorted(str(p) for p in root.glob("step_*"))}
+
+
+def dpo_data_run(info, out: str, data: str, steps: int) -> dict[str, Any]:  # noqa: ANN001
+    """Full fine-tune DPO on a preference jsonl through the data package's loader (byte tokenizer, chat
+    template) -> the history and the reference table's size."""
+    from tests.helpers.tiny import byte_tokenizer, tiny_config
+
+    flags = (
+        f"--config zero1 --data {data} --num_workers 0 --shuffle_buffer 8 --pack_buffer 4 --micro_batch_size 2 --seq_len 128 "
+        f"--max_steps {steps} --objective dpo --lr 1e-3 --save_every 0 --precision fp32"
+    )
+    opts = make_options(flags.split())
+    cfg = tiny_config(vocab_size=272)  # the byte tokenizer's specials too
+    tr = make_trainer(opts, f"{out}/data", info, cfg=cfg, tokenizer=byte_tokenizer())
+    tr.run()
+    return {"history": tr.history, "table": len(tr.dpo.table)}
+
+
+def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows=None, lora: bool = True,  # noqa: ANN001, ANN202
+                 resume: str | None = None):  # fmt: skip
     from dstrain.parallel import ParallelDims
     from tests.helpers.pairs import PairRows
 
-    lora = "--lora_r 8 --lora_alpha 16 --lora_targets q_b_proj,kv_b_proj,o_proj,shared_experts,experts"
-    flags = f"{args} --objective dpo {lora} --lr 1e-2 --save_every 0 --precision fp32"
+    adapters = "--lora_r 8 --lora_alpha 16 --lora_targets q_b_proj,kv_b_proj,o_proj,shared_experts,experts"
+    flags = f"--lr 1e-2 --save_every 0 {args} --objective dpo {adapters if lora else ''} --precision fp32"
     opts = _opts(flags)
     layout = opts.layout
     # ranks of one sequence-, tensor- or pipeline-parallel group read the same rows
@@ -323,6 +348,6 @@ def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows
     loader = PairRows(
         layout.micro_batch_size, layout.gradient_accumulation_steps, data_rank, dims.data, cycle
     )
-    tr = make_trainer(opts, f"{out}/{name}", info, loader=loader, eval_rows=eval_rows)
+    tr = make_trainer(opts, f"{out}/{name}", info, loader=loader, eval_rows=eval_rows, resume=resume)
     tr.run()
     return tr

@@ -1,0 +1,197 @@
+"""DPO's precomputed reference (`--dpo_reference precomputed`, the default of a full fine-tune): each completion's
+log-probability under the initial model, computed in a first pass over the data before the first update and
+stored with the run, so no second copy of the weights is kept and no reference forward runs per step.
+
+A completion is found by its content, not its place: the key of a document is a hash of its tokens and of which
+of them are targets (`document_keys`, on whole rows before any sequence-parallel slice). The table therefore
+serves any layout, any batch composition and any later epoch (a pair re-packed into another row is the same
+document), and a resumed run reads it back from the run folder (`FILE`) whatever its layout. The pass reads
+exactly the rows the run will read (its loader, read ahead over every step and rewound: the shuffle and the
+packing need not be predicted) and runs a reference forward only for steps holding a completion not seen
+before (a later epoch costs reading, not forwards); the ranks' tables are joined and rank 0 writes the file.
+Evaluation pairs are added by the same pass.
+
+TRL's `precompute_ref_log_probs` does the same per dataset row; dstrain keys by content because its rows are
+packed and re-sharded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from dstrain import dist
+from dstrain.atomic import write_atomic
+from dstrain.batch import document_index, to_device
+from dstrain.errors import CheckpointError, DataError
+
+FILE = "dpo_reference.safetensors"
+
+
+def document_keys(batch: dict[str, torch.Tensor]) -> list[bytes]:
+    """A key per document of a whole-rows batch, in `document_index` order: a hash of its token ids and of
+    which of them are targets."""
+    docs = document_index(batch["labels"], batch.get("position_ids")).flatten()
+    keep = docs >= 0
+    order = docs[keep].argsort(stable=True)
+    ids = batch["input_ids"].flatten()[keep][order].to(torch.int64)
+    target = (batch["labels"].flatten()[keep][order] != -100).to(torch.int64)
+    counts = torch.bincount(docs[keep]).tolist() if keep.any() else []
+    keys = []
+    for tok, tgt in zip(ids.split(counts), target.split(counts), strict=True):
+        h = hashlib.blake2b(tok.numpy().tobytes(), digest_size=16)
+        h.update(tgt.to(torch.uint8).numpy().tobytes())
+        keys.append(h.digest())
+    return keys
+
+
+class Table:
+    """Completion key -> its reference log-probability (summed over its target tokens)."""
+
+    def __init__(self, logps: dict[bytes, float] | None = None) -> None:
+        self.logps: dict[bytes, float] = dict(logps or {})
+
+    def __len__(self) -> int:
+        return len(self.logps)
+
+    def add(self, keys: list[bytes], logps: torch.Tensor) -> None:
+        self.logps.update(zip(keys, logps.double().tolist(), strict=True))
+
+    def lookup(self, keys: list[bytes], device: torch.device) -> torch.Tensor:
+        """(n,) fp32 on `device` for `keys` in order; a key the first pass never saw is an error."""
+        try:
+            values = [self.logps[k] for k in keys]
+        except KeyError:
+            raise DataError(
+                "data: a preference pair the DPO reference pass never saw (the data changed since the run "
+                f"started, or --max_steps grew past the pass over it): start a new run (the reference is {FILE} "
+                "in the run folder)"
+            ) from None
+        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+    def joined(self) -> Table:
+        """Every rank's entries (one all-gather over the world)."""
+        if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+            return self
+        parts: list[Any] = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, self.logps)
+        out = Table()
+        for p in parts:
+            out.logps.update(p)
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        from safetensors.torch import save
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+        keys = sorted(self.logps)
+        tensors = {
+            "keys": torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8).view(len(keys), 16)
+            if keys
+            else torch.zeros(0, 16, dtype=torch.uint8),
+            "logps": torch.tensor([self.logps[k] for k in keys], dtype=torch.float64),
+        }
+        write_atomic(str(path), save(tensors, metadata={"format": "dstrain-dpo-reference-1"}))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Table:
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        keys = [bytes(row) for row in t["keys"].numpy()]
+        return cls(dict(zip(keys, t["logps"].tolist(), strict=True)))
+
+
+def find(output_dir: str, resume_path: str | None) -> Path | None:
+    """The table of a resumed run: in its run folder, or in the folder of the checkpoint it resumes from."""
+    places = [Path(output_dir) / FILE]
+    if resume_path is not None:  # RUN/checkpoints/step_N
+        places.append(Path(resume_path).resolve().parent.parent / FILE)
+    return next((p for p in places if p.is_file()), None)
+
+
+def open_table(trainer: Any) -> Table:
+    """The run's reference table: read back on resume, else computed by the first pass and written."""
+    path = Path(trainer.output_dir) / FILE
+    if trainer.resume_path is not None:
+        found = find(trainer.output_dir, trainer.resume_path)
+        if found is None:
+            raise CheckpointError(
+                f"resume {trainer.resume_path}: --objective dpo with a precomputed reference needs its {FILE}, "
+                "found neither in the run folder nor beside the checkpoint"
+            )
+        table = Table.load(found)
+        if trainer.info.is_main and found != path:  # the run folder keeps its own copy for later resumes
+            table.save(path)
+        return table
+    t0 = time.perf_counter()
+    if trainer.verbose:
+        print(f"dstrain: DPO reference: a first pass over the run's {trainer.opts.schedule.max_steps} steps of "
+              "data with the initial model", flush=True)  # fmt: skip
+    table, steps = first_pass(trainer)
+    table = table.joined()
+    if trainer.info.is_main:
+        table.save(path)
+    dist.barrier()
+    if trainer.verbose:
+        print(
+            f"dstrain: DPO reference: {len(table)} completions' log-probabilities from the initial model "
+            f"(forwards for {steps} steps{' and the eval set' if trainer.evaluator else ''}, "
+            f"{time.perf_counter() - t0:.1f} s), in {path}",
+            flush=True,
+        )
+    return table
+
+
+@torch.no_grad()
+def first_pass(trainer: Any) -> tuple[Table, int]:
+    """This rank's entries: every step of the run's data (its loader, read ahead and rewound), a reference
+    forward for each step holding a completion not seen before on some rank, then the eval set. -> (the
+    entries, the steps that ran a forward)."""
+    dpo, table, loader = trainer.dpo, Table(), trainer.loader
+    start = loader.state_dict()
+    seen: set[bytes] = set()  # this rank's completions (a pipeline's first stages compute no log-probability)
+    forwards = 0
+    try:
+        for _ in range(trainer.opts.schedule.max_steps):
+            batches = [next(loader) for _ in range(trainer.ga)]
+            numbered, pairs = dpo.number(batches, keys=True)
+            new = torch.tensor([float(any(k not in seen for keys in pairs.keys for k in keys))])
+            if not dist.all_reduce(new.to(trainer.info.device), tdist.ReduceOp.MAX).item():
+                continue  # a later epoch's step: every rank knows its completions (the ranks agree: collectives)
+            forwards += 1
+            logps = reference_logps(trainer, [trainer._shard(b) for b in numbered], pairs)
+            for keys, lp in zip(pairs.keys, logps, strict=True):
+                seen.update(keys)
+                if lp is not None:
+                    table.add(keys, lp)
+    finally:
+        loader.load_state_dict(start)
+    if trainer.evaluator is not None:
+        ev = trainer.evaluator
+        for keys, lp in zip(ev.pairs.keys, reference_logps(trainer, ev.batches, ev.pairs), strict=True):
+            if lp is not None:
+                table.add(keys, lp)
+    return table, forwards
+
+
+def reference_logps(trainer: Any, batches: list, pairs: Any) -> list[torch.Tensor | None]:
+    """The reference log-probabilities of each micro batch's documents (`batches` this rank's slices of whole
+    rows numbered into `pairs`); None on pipeline stages before the last."""
+    dpo = trainer.dpo
+    dpo.pairs, dpo.ref, dpo.done = pairs, [], 0
+    if not trainer.pipe:
+        dev = trainer.info.device
+        return [
+            dpo.reference(trainer.engine, trainer.model, to_device(b, dev), i) for i, b in enumerate(batches)
+        ]
+    data = trainer._pipe_data(batches, torch.ones(1 + trainer.mtp_depth))
+    dpo.pipe_reference(trainer.engine, trainer.model, batches, data, len(batches))
+    return list(dpo.ref) if trainer.engine.is_last_stage() else [None] * len(batches)
