@@ -12,11 +12,11 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> dict[str, Path]:
+def trained(tmp_path_factory, rank_pools) -> dict[str, Path]:
     """Single-process runs on a transformers-written HF folder (see tests/helpers/runs.py), made once."""
     from tests.helpers.runs import lora_runs
 
-    return lora_runs(tmp_path_factory.mktemp("runs"))
+    return lora_runs(rank_pools, tmp_path_factory.mktemp("runs"))
 
 
 @pytest.fixture(scope="session")

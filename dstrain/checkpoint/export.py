@@ -31,7 +31,7 @@ from dstrain.model.common.dsa import top_keys
 from dstrain.model.common.layers import EXPERT_BIAS, is_expert_bias
 from dstrain.model.common.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
-from dstrain.model.registry import model_class
+from dstrain.model.registry import on_meta
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from .store import Checkpoint, open_checkpoint
@@ -97,8 +97,7 @@ def merge_stream(
 
 def expected_hf_keys(cfg: object) -> set[str]:
     """Every HF key a complete export of this config holds (from a meta-device model: no memory)."""
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = on_meta(cfg)
     return {name for name, _ in hf_tensors(model.state_dict().items(), cfg)}
 
 

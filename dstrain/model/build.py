@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .hf import DEFAULT_SHARD_BYTES, save_hf_tensors
-from .registry import family_of, get_config, model_class
+from .registry import family_of, get_config, on_meta
 from .sources import Weights, fill, init_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,8 +37,7 @@ def build_model(
     """Construct on the meta device (no memory), materialise on `device`, then `init_weights` (seed None: one
     drawn from torch's global generator). `config`: a preset name, a folder or a config (its family's model)."""
     cfg = get_config(config)
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = on_meta(cfg)
     model.to_empty(device=device)
     model.tie_weights()
     if init:
@@ -129,8 +128,7 @@ def from_pretrained(
     path = str(path)
     cfg = config or get_config(path)
     dtype = parse_dtype(dtype) or _checkpoint_dtype(path) or torch.float32
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = on_meta(cfg)
     materialize(model, device, dtype)
     with Weights(cfg, seed, device, folder=path, allow_unsafe_pickle=allow_unsafe_pickle) as weights:
         fill(model, weights)

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import deepseek_v3, deepseek_v4
@@ -31,6 +32,29 @@ def family_of(cfg: Any) -> Family:
 def model_class(cfg: Any) -> type[nn.Module]:
     """The model a config describes."""
     return family_of(cfg).model
+
+
+# torch.nn.init's fills, which on the meta device run as Python references that import torch._dynamo (2.5 s of
+# every process that builds a model): skipped there, where there is nothing to fill
+_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "ones_", "zeros_", "constant_")  # fmt: skip
+
+
+def on_meta(cfg: Any) -> nn.Module:
+    """The model a config describes on the meta device: shapes and structure, no memory, no values."""
+    saved = {name: getattr(nn.init, name) for name in _FILLS}
+    try:
+        for name in _FILLS:
+            setattr(nn.init, name, _unfilled)
+        with torch.device("meta"):
+            return model_class(cfg)(cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _unfilled(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def family_for_type(model_type: str | None) -> Family:

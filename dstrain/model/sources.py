@@ -27,7 +27,7 @@ from torch import nn
 from .common.layers import ROUTER_BUFFERS, is_expert_bias, is_hash_table
 from .common.lora import is_lora_key
 from .hf import HFReader, flat_range
-from .registry import family_of, model_class
+from .registry import family_of, on_meta
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ class FreshWeights:
 def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """Every tensor's whole shape in the model `cfg` describes (any layout's slices are parts of these), from a
     model on meta: no memory."""
-    with torch.device("meta"):
-        return {n: tuple(t.shape) for n, t in local_tensors(model_class(cfg)(cfg))}
+    return {n: tuple(t.shape) for n, t in local_tensors(on_meta(cfg))}
 
 
 def open_folder(path: str | os.PathLike, cfg: Any, allow_unsafe_pickle: bool = False) -> HFReader:

@@ -27,7 +27,7 @@ from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM
 from dstrain.model.build import materialize
 from dstrain.model.common.lora import init_adapters
-from dstrain.model.registry import model_class
+from dstrain.model.registry import model_class, on_meta
 from dstrain.model.sources import Weights, fill, local_tensors
 from dstrain.parallel.pipe import Objective
 
@@ -61,8 +61,7 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
         if plan.stage == 3:  # partitioned from the start: no rank holds it whole
             model = _zero3(cfg, weights, plan.ds)
         else:
-            with torch.device("meta"):  # this rank's tensors get memory once parallelised
-                model = model_class(cfg)(cfg)
+            model = on_meta(cfg)  # this rank's tensors get memory once parallelised
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)

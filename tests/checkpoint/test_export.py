@@ -171,7 +171,7 @@ def test_adapter_only_loads_with_peft(tmp_path, caplog):
         assert (hf(input_ids=ids, use_cache=False).logits - again(ids).logits).abs().max() <= 1e-5
 
 
-def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
+def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys, rank_pools):
     """A V2-Lite-shaped folder transformers wrote (no q_lora_rank, softmax routing, no expert bias, no MTP):
     0 steps -> export gives its exact bits back as deepseek_v2; 2 LoRA steps -> merged export loads in
     transformers with dstrain's logits."""
@@ -181,9 +181,10 @@ def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys):
     run = f"--model {src} --output_dir {tmp_path / 'run'} --lora_r 4 --lora_targets q_proj,o_proj".split()
     run.append("--no-train_router")
     assert re.search(
-        r"dstrain: loaded .*v2: rank 0 read \d+ KiB of \d+ KiB", train([*run, "--max_steps", "0"]).stdout
+        r"dstrain: loaded .*v2: rank 0 read \d+ KiB of \d+ KiB",
+        train(rank_pools, [*run, "--max_steps", "0"]).stdout,
     )
-    train([*run, "--max_steps", "2", "--resume", "auto"])
+    train(rank_pools, [*run, "--max_steps", "2", "--resume", "auto"])
     ckpts = tmp_path / "run" / "checkpoints"
     assert dstrain_main(["export", str(ckpts / "step_00000000"), "--out", str(tmp_path / "out0")]) == 0
     want, got = read_folder(src), read_folder(tmp_path / "out0")
@@ -217,7 +218,9 @@ def test_export_carries_the_code_files_a_config_auto_map_names():
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v32"])
-def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(variant, tmp_path, capsys):
+def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(
+    variant, tmp_path, capsys, rank_pools
+):
     """The journey of a new user: a folder transformers wrote, LoRA SFT on chats under ZeRO-3, export --verify,
     then transformers' generate on the export. V3.2 with 4 indexer heads and top-k 16: many indexer scores are
     exactly 0 after the ReLU, and verify must not fail a correct export on how torch.topk breaks their ties."""
@@ -231,7 +234,7 @@ def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(varian
     make_hf_model(config).save_pretrained(src)
     byte_tokenizer().save_pretrained(src)
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(40))
-    train(["--model", str(src), "--config", "zero3", "--data", data, "--seq_len", "256", "--lora_r", "8", "--max_steps", "2",
+    train(rank_pools, ["--model", str(src), "--config", "zero3", "--data", data, "--seq_len", "256", "--lora_r", "8", "--max_steps", "2",
            "--output_dir", str(run)])  # fmt: skip
     capsys.readouterr()
     assert (
@@ -247,7 +250,7 @@ def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(varian
     assert generated.shape == (1, 10) and torch.equal(generated[:, :4], prompt)
 
 
-def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, caplog):
+def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, caplog, rank_pools):
     """No folder to copy tokenizer files from: the export saves the run's own (the bundled DeepSeek-V3
     tokenizer by default), and transformers loads it without a word about its class."""
     import logging
@@ -256,7 +259,7 @@ def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, capl
 
     from dstrain.data.tokenizer import load_tokenizer
 
-    train(["--model", "tiny", "--max_steps", "0", "--output_dir", str(tmp_path / "run")])
+    train(rank_pools, ["--model", "tiny", "--max_steps", "0", "--output_dir", str(tmp_path / "run")])
     out = tmp_path / "out"
     info = ex.export(tmp_path / "run" / "checkpoints" / "step_00000000", out)
     assert "tokenizer.json" in info["tokenizer"] and (out / "tokenizer.json").is_file()

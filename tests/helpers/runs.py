@@ -1,13 +1,12 @@
 """Training runs several test modules read (LoRA training, export): a transformers-written HF folder and
-single-process dstrain runs on it, made once per session."""
+single-process dstrain runs on it, made once per session; `train`, a `dstrain train` run in the session's
+1-rank pool of ranks."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -17,7 +16,7 @@ from dstrain.config.plan import model_config
 from dstrain.model import DeepSeekLM
 from dstrain.training.finetune import apply_finetune_options
 from tests.helpers.hf import official_folder
-from tests.helpers.tiny import ROOT, byte_tokenizer
+from tests.helpers.tiny import byte_tokenizer
 from tests.helpers.trainer import make_options
 
 LORA_ARGS = ["--lora_r", "4", "--lora_alpha", "8", "--no-train_router", "--no-train_mtp"]
@@ -38,14 +37,13 @@ def hf_source(path: Path) -> Path:
     return path
 
 
-def train(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """One `python dstrain/train.py` process (no launcher): short rows, no MFU measurement."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def train(pools, args: list[str], timeout: int = 300) -> SimpleNamespace:  # noqa: ANN001
+    """`dstrain train ARGS` as one process runs it (no launcher; short rows, no MFU measurement), in the session's
+    1-rank pool (`pools`: the rank_pools fixture) instead of a process of its own -> .stdout, .returncode."""
     common = ["--seq_len", "32", "--micro_batch_size", "2", "--peak_tflops", "1", "--warmup_steps", "1"]
-    cmd = [sys.executable, "dstrain/train.py", *common, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+    res = pools.run(1, "tests.training.worker:cli_out", [*common, *args], timeout=timeout)[0]
+    assert res["rc"] == 0, res["stdout"][-2000:] + res["stderr"][-2000:]
+    return SimpleNamespace(stdout=res["stdout"], returncode=res["rc"])
 
 
 def check_lora_json(ckpt: Path, args: list[str]) -> None:
@@ -57,14 +55,14 @@ def check_lora_json(ckpt: Path, args: list[str]) -> None:
     assert json.loads((ckpt / "lora.json").read_text()) == json.loads(json.dumps(model.lora_settings))
 
 
-def lora_runs(root: Path) -> dict[str, Path]:
+def lora_runs(pools, root: Path) -> dict[str, Path]:  # noqa: ANN001
     """hf: the source folder; full: --max_steps 0 on it; lora0/lora3: a LoRA run's step 0 and step 3 (the
     session fixture `trained` in tests/conftest.py)."""
     hf = hf_source(root / "hf")
-    train(["--model", str(hf), "--max_steps", "0", "--output_dir", str(root / "full")])
+    train(pools, ["--model", str(hf), "--max_steps", "0", "--output_dir", str(root / "full")])
     lora = ["--model", str(hf), "--output_dir", str(root / "lora"), *LORA_ARGS]
-    train([*lora, "--max_steps", "0"])
-    train([*lora, "--max_steps", "3", "--resume", "auto"])
+    train(pools, [*lora, "--max_steps", "0"])
+    train(pools, [*lora, "--max_steps", "3", "--resume", "auto"])
     ckpts = root / "lora" / "checkpoints"
     for step in ("step_00000000", "step_00000003"):
         check_lora_json(ckpts / step, LORA_ARGS)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,6 +42,12 @@ def _run(cmd: list[str], timeout: int = 420) -> subprocess.CompletedProcess:
 def _deepspeed(args: list[str]) -> subprocess.CompletedProcess:
     exe = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     return _run([exe, "--num_gpus", "2", "--master_port", str(free_port()), "dstrain/train.py", *args])
+
+
+def _pooled(pools, argv: list[str]) -> SimpleNamespace:  # noqa: ANN001
+    """`dstrain train ARGV` in the 1-rank pool -> .returncode, .stdout, .stderr as a process's."""
+    res = pools.run(1, "tests.training.worker:cli_out", argv)[0]
+    return SimpleNamespace(returncode=res["rc"], stdout=res["stdout"], stderr=res["stderr"])
 
 
 def test_default_command_with_deepspeed_launcher(tmp_path):
@@ -84,9 +91,10 @@ def test_default_command_with_deepspeed_launcher(tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
-def test_one_process_max_steps_zero_then_resume(tmp_path):
+def test_one_process_max_steps_zero_then_resume(tmp_path, rank_pools):
     """`python dstrain/train.py` with no launcher; --max_steps 0 writes a checkpoint without training; a
-    DeepSpeed monitor (CSV) and offline wandb receive the metrics; explicit bad resumes are errors."""
+    DeepSpeed monitor (CSV) and offline wandb receive the metrics; explicit bad resumes are errors. The runs after
+    the first are `dstrain train` in the 1-rank pool (the command line's error policy, output captured)."""
     out = tmp_path / "one"
     train = [sys.executable, "dstrain/train.py", "--output_dir", str(out)]
     cfg = tmp_path / "ds.json"
@@ -110,11 +118,12 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
         want.vocab_size,
     )
     assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""
-    again = _run([*train, "--config", str(cfg), "--max_steps", "2"])
+    again = _pooled(rank_pools, [*train[2:], "--config", str(cfg), "--max_steps", "2"])
     assert again.returncode == 2 and "already holds checkpoints: pass --resume auto" in again.stderr
-    proc = _run(
+    proc = _pooled(
+        rank_pools,
         [
-            *train,
+            *train[2:],
             "--config",
             str(cfg),
             "--max_steps",
@@ -126,7 +135,7 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
             "--wandb_mode",
             "offline",
             "--no-save_moments",
-        ]
+        ],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and "step_00000000" in proc.stdout
@@ -142,17 +151,19 @@ def test_one_process_max_steps_zero_then_resume(tmp_path):
     # --no-save_moments: the weights layout-free, AdamW's moments only in DeepSpeed's files (this layout's)
     step2 = out / "checkpoints" / "step_00000002"
     assert (step2 / "weights").is_dir() and not (step2 / "optimizer").exists()
-    elsewhere = _run([*train, "--config", "zero1", "--resume", str(step2), "--max_steps", "3"])
+    elsewhere = _pooled(
+        rank_pools, [*train[2:], "--config", "zero1", "--resume", str(step2), "--max_steps", "3"]
+    )
     assert elsewhere.returncode == 2, elsewhere.stderr[-3000:]
     assert "saved with --no-save_moments" in elsewhere.stderr.strip().splitlines()[-1]
-    missing = _run([*train, "--resume", str(tmp_path / "nowhere")])
+    missing = _pooled(rank_pools, [*train[2:], "--resume", str(tmp_path / "nowhere")])
     assert missing.returncode == 2
     assert (
         missing.stderr.strip().splitlines()[-1]
         == f"dstrain: error: --resume {tmp_path / 'nowhere'}: no such file or folder"
     )
     (out / "checkpoints" / "step_00000002" / "COMPLETE").unlink()
-    partial = _run([*train, "--resume", str(out / "checkpoints" / "step_00000002")])
+    partial = _pooled(rank_pools, [*train[2:], "--resume", str(out / "checkpoints" / "step_00000002")])
     assert partial.returncode == 2 and "is incomplete (no COMPLETE marker" in partial.stderr
 
 
@@ -171,24 +182,20 @@ def test_config_error_under_launcher_is_one_line(tmp_path):
     ]
 
 
-def test_exact_resume_with_the_real_data_pipeline(tmp_path):
-    """The built-in data and tokenizer through the data package's loader: 2 steps + resume + 2 steps give
-    the straight run's losses bit for bit (the loader state is taken at the step boundary)."""
-    common = [
-        sys.executable,
-        "dstrain/train.py",
-        "--max_steps",
-        "4",
-        "--seq_len",
-        "32",
-        "--micro_batch_size",
-        "2",
-    ]
+def test_exact_resume_with_the_real_data_pipeline(tmp_path, rank_pools):
+    """The built-in data and tokenizer through the data package's loader (its worker process): 2 steps + resume
+    + 2 steps give the straight run's losses bit for bit (the loader state is taken at the step boundary). Each
+    `dstrain train` runs in the 1-rank pool (tests/helpers/runs.py)."""
+    common = ["--max_steps", "4", "--seq_len", "32", "--micro_batch_size", "2"]
     a, b = tmp_path / "a", tmp_path / "b"
-    first = _run([*common, "--save_every", "2", "--keep_last", "0", "--output_dir", str(a)])
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run([*common, "--output_dir", str(b), "--resume", str(a / "checkpoints" / "step_00000002")])
-    assert second.returncode == 0, second.stderr[-3000:]
+    run = "tests.training.worker:cli_out"
+    first = rank_pools.run(
+        1, run, [*common, "--save_every", "2", "--keep_last", "0", "--output_dir", str(a)]
+    )[0]
+    assert first["rc"] == 0, first["stdout"][-3000:]
+    resume = ["--resume", str(a / "checkpoints" / "step_00000002")]
+    second = rank_pools.run(1, run, [*common, "--output_dir", str(b), *resume])[0]
+    assert second["rc"] == 0, second["stdout"][-3000:]
     straight = [json.loads(line)["loss"] for line in (a / "metrics.jsonl").read_text().splitlines()]
     resumed = [json.loads(line)["loss"] for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert resumed == straight[2:]
@@ -255,8 +262,8 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
         assert "\n" not in err
 
 
-def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
-    """One process on chat data with an eval split: eval rows in metrics.jsonl (at --eval_every and the end),
+def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path, rank_pools):
+    """One rank on chat data with an eval split: eval rows in metrics.jsonl (at --eval_every and the end),
     TensorBoard events that read back with every metric, the PNG plots, expert_load.jsonl and a valid
     profiler trace of the requested steps; `dstrain plot` redraws them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -278,11 +285,10 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
         "--seq_len",
         "128",
     ]
-    proc = _run(
-        [sys.executable, "dstrain/train.py", *args, "--profile_steps", "2:3", "--output_dir", str(out)]
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "eval step 2: loss" in proc.stdout and "mtp acc" in proc.stdout
+    args += ["--profile_steps", "2:3", "--output_dir", str(out)]
+    proc = rank_pools.run(1, "tests.training.worker:cli_out", args)[0]  # in the 1-rank pool
+    assert proc["rc"] == 0, proc["stdout"][-3000:]
+    assert "eval step 2: loss" in proc["stdout"] and "mtp acc" in proc["stdout"]
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in recs if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4, 5]
@@ -311,7 +317,7 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path):
     assert dstrain_main(["plot", str(out)]) == 0 and (out / "plots" / "loss.png").is_file()
 
 
-def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path):
+def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path, rank_pools):
     """No bias update, no balance loss and a far too high lr: every token goes to the same k experts."""
     from tests.helpers.runs import train
 
@@ -326,5 +332,5 @@ def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path):
         "24",
         "--no-plots",
     ]
-    out = train([*flags, "--output_dir", str(tmp_path / "run")]).stdout
+    out = train(rank_pools, [*flags, "--output_dir", str(tmp_path / "run")]).stdout
     assert out.count("dstrain: warning: routing collapsed in layer(s) ") == 1, out[-3000:]

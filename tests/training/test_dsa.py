@@ -1,19 +1,15 @@
-"""Sparse attention's stages in a real run (`dstrain train --model tiny-dsa`, one process each): what each
+"""Sparse attention's stages in a real run (`dstrain train --model tiny-dsa`, each in the 1-rank pool of ranks): what each
 trains, and the indexers' figures in metrics.jsonl and the eval rows."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dstrain.checkpoint.weights import iter_weights
 from dstrain.train import main
-from tests.helpers.tiny import ROOT
 
 STAGES = {  # stage -> which weights change: the indexers', the rest
     "dense": (True, False),
@@ -23,7 +19,7 @@ STAGES = {  # stage -> which weights change: the indexers', the rest
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_each_stage_trains_what_it_says(stage, tmp_path):
+def test_each_stage_trains_what_it_says(stage, tmp_path, rank_pools):
     out = tmp_path / "run"
     args = [
         "--model",
@@ -39,11 +35,8 @@ def test_each_stage_trains_what_it_says(stage, tmp_path):
     ]
     args += ["--output_dir", str(out), "--num_workers", "0", "--eval_split", "0.05", "--eval_tokens", "2048"]
     args += ["--indexer_loss_coef", "1", "--lr", "1e-2", "--no-plots"]
-    # both cores unless the suite shares them with another session (launch/test.sh)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, "dstrain/train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = rank_pools.run(1, "tests.training.worker:cli_out", args)[0]  # `dstrain train ARGS`, in the pool
+    assert res["rc"] == 0, res["stdout"][-3000:]
     ckpts = out / "checkpoints"
     first, last = (dict(iter_weights(ckpts / f"step_0000000{i}")) for i in (1, 2))
     changed = {k for k in first if not torch.equal(first[k], last[k])}

@@ -26,13 +26,13 @@ def v4_folder(tmp_path_factory):
     return path
 
 
-def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys):
+def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys, rank_pools):
     """--max_steps 0 then export: the source folder's tensors bit for bit (its key style and config.json), and
     the MTP module transformers does not write (in DeepSeek's names, started fresh). Then 3 steps of LoRA on
     V4's projections (o_a_proj's block-diagonal weight included), experts and routers under ZeRO-3 on the
     built-in text: the merged export loads in transformers with the model's logits, the hash table unchanged,
     the biased layers' bias moved; an adapter-only export is refused in one line."""
-    train(["--model", str(v4_folder), "--max_steps", "0", "--output_dir", str(tmp_path / "zero")])
+    train(rank_pools, ["--model", str(v4_folder), "--max_steps", "0", "--output_dir", str(tmp_path / "zero")])
     out = tmp_path / "same"
     assert dstrain_main(["export", str(tmp_path / "zero"), "--out", str(out), "--dtype", "float32"]) == 0
     src, got = read_folder(v4_folder), read_folder(out)
@@ -42,7 +42,7 @@ def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys):
 
     targets = "q_a_proj,q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts,gate"
     run = tmp_path / "run"
-    proc = train(["--model", str(v4_folder), "--max_steps", "3", "--config", "zero3", "--dsa_stage", "sparse"]
+    proc = train(rank_pools, ["--model", str(v4_folder), "--max_steps", "3", "--config", "zero3", "--dsa_stage", "sparse"]
                  + ["--lora_r", "4", "--lora_targets", targets, "--output_dir", str(run)]
                  + ["--moe_bias_update_speed", "1e-3"])  # LoRA keeps the bias unless asked  # fmt: skip
     assert "window + compressed entries" in proc.stdout  # the kernel line names V4's attention

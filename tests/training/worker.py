@@ -234,6 +234,24 @@ def cli_run(info, argv: list[str]) -> int:  # noqa: ANN001
     return train(prepare(parse_options(argv)))
 
 
+def cli_out(info, argv: list[str]) -> dict[str, Any]:  # noqa: ANN001
+    """`dstrain train ARGV` under the command line's error policy (a user's mistake: its one line on stderr and
+    the exit code), with its output captured -> {"rc", "stdout", "stderr"}: what a `python dstrain/train.py`
+    process would have printed, without starting one (tests/helpers/runs.py). The process group stays."""
+    import contextlib
+    import io
+
+    from dstrain.cli import invoke
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.training.cli import train
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = invoke(parse_options, lambda opts: train(prepare(opts)), argv)
+    return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
 def killed_run(info, out: str) -> dict[str, Any]:  # noqa: ANN001
     """ZeRO-1 with --resume auto into OUT/killed: where it started, its losses."""
     tr = make_trainer(_opts(f"--config zero1 {COMMON} --resume auto"), f"{out}/killed", info)

@@ -66,6 +66,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.recompute: str | None = None  # 'attention' or 'mlp': that sublayer is recomputed in backward
+        # set by compile_blocks: torch.compiler.disable imports torch._dynamo (2.5 s), which eager runs skip
+        self.eager_checkpoint: Any = None
 
     def forward(self, x, rope, layout):  # noqa: ANN001 - called through checkpoint()
         x = x + self._sublayer("attention", self._attention, x, rope, layout)
@@ -76,8 +78,13 @@ class Block(nn.Module):
 
     def _sublayer(self, name: str, fn, *args):  # noqa: ANN001, ANN202
         if self.recompute == name and self.training:
-            if name == "mlp" and isinstance(self.mlp, MoE) and torch.compiler.is_compiling():
-                return _eager_checkpoint(fn, *args)
+            if (
+                name == "mlp"
+                and isinstance(self.mlp, MoE)
+                and torch.compiler.is_compiling()
+                and self.eager_checkpoint
+            ):
+                return self.eager_checkpoint(fn, *args)
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
@@ -91,11 +98,11 @@ class Block(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), real)
 
 
-@torch.compiler.disable
-def _eager_checkpoint(fn, *args):  # noqa: ANN001, ANN202
-    """A recomputed MoE sublayer inside a compiled block runs eagerly: traced by torch.compile (2.13) within
-    activation checkpointing, the routing weights' gradient from the experts was dropped when the balance
-    loss also used the router's scores (measured: the router's gradient held the balance loss's share only)."""
+def _checkpointed(fn, *args):  # noqa: ANN001, ANN202
+    """A recomputed MoE sublayer inside a compiled block runs eagerly (compile_blocks wraps this in
+    torch.compiler.disable): traced by torch.compile (2.13) within activation checkpointing, the routing
+    weights' gradient from the experts was dropped when the balance loss also used the router's scores
+    (measured: the router's gradient held the balance loss's share only)."""
     return checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -169,7 +176,9 @@ class DeepSeekLM(SparseControls, nn.Module):
         """Regional compilation (torchtitan's): each transformer block compiled on its own, in place (names and
         state dict unchanged), blocks of one kind sharing a graph, and the head's loss chunks; the rest of the
         model stays eager."""
+        eager = torch.compiler.disable(_checkpointed)
         for block in self.blocks():
+            block.eager_checkpoint = eager
             block.compile(**options)
         if isinstance(self.lm_head, Head):
             self.lm_head.compile_loss(**options)

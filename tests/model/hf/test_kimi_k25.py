@@ -233,12 +233,12 @@ def test_save_pretrained_writes_the_folder_back(k25, tmp_path):
     check_export(path, tmp_path, {PREFIX + k: t for k, t in dense.items()}, side_files=False)
 
 
-def test_fine_tune_from_the_folder_as_shipped_and_export_it(k25, tmp_path, capsys):
+def test_fine_tune_from_the_folder_as_shipped_and_export_it(k25, tmp_path, capsys, rank_pools):
     """`dstrain/train.py --model` the K2.5 folder, two steps; `dstrain export --verify` writes it back as
     shipped but for the trained text model (bf16), and transformers' DeepSeek-V3 reading the text model from
     under its prefix gives the checkpoint's logits."""
     path, dense = k25
-    train(["--model", str(path), "--max_steps", "2", "--output_dir", str(tmp_path / "run")])
+    train(rank_pools, ["--model", str(path), "--max_steps", "2", "--output_dir", str(tmp_path / "run")])
     out = tmp_path / "out"
     assert dstrain_main(["export", str(tmp_path / "run"), "--out", str(out), "--verify"]) == 0
     assert ": ok" in capsys.readouterr().out
