@@ -152,3 +152,24 @@ def test_unreachable_hub_name_is_one_clear_error(monkeypatch):
     assert str(e.value) == (
         "data: cannot load 'nobody/nothing' (not a local path; as a hub data set: ConnectionError: Couldn't reach the Hub)"
     )
+
+
+def test_a_small_shard_is_read_once_then_from_memory(tmp_path, monkeypatch):
+    """After a whole first read, a small shard's later reads (each epoch, and resumed mid-shard) come from the
+    tables kept in memory, equal to the file's; a read that starts mid-shard keeps nothing."""
+    path = write_jsonl(tmp_path / "a.jsonl", text_rows(7))
+    opts = DataOptions(data=str(path))
+    src = resolve_sources(opts)[0]
+    cache: dict = {}
+    rows = [t.to_pylist() for t in sources_mod.read_shard(src, 0, 0, opts, cache)]
+    assert ("tables", 0) in cache
+    monkeypatch.setattr(sources_mod, "_load_file", lambda *a: pytest.fail("the file was opened again"))
+    del cache[0]  # the opened dataset too: only the kept tables may serve
+    again = [r for t in sources_mod.read_shard(src, 0, 0, opts, cache) for r in t.to_pylist()]
+    assert again == [r for t in rows for r in t] and len(again) == 7
+    tail = [r for t in sources_mod.read_shard(src, 0, 5, opts, cache) for r in t.to_pylist()]
+    assert tail == again[5:]
+    fresh: dict = {}
+    monkeypatch.undo()
+    list(sources_mod.read_shard(src, 0, 3, opts, fresh))
+    assert ("tables", 0) not in fresh
