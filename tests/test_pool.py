@@ -8,13 +8,23 @@ import time
 
 import pytest
 
-from tests.helpers.pool import ScenarioError
+from tests.helpers.pool import Pools, ScenarioError
 
 pytestmark = pytest.mark.multirank
 PROBES = "tests.helpers.probes"
 
 
-def test_a_failing_scenario_fails_alone_and_the_next_one_passes(rank_pools):
+def test_a_failing_scenario_fails_alone_and_the_next_one_passes(tmp_path):
+    # a pool of its own: its restarts cost bare ranks (the probes import no DeepSpeed), and the session's pool
+    # stays warm for the other tests
+    pools = Pools(tmp_path)
+    try:
+        _fail_alone(pools)
+    finally:
+        pools.close()
+
+
+def _fail_alone(rank_pools: Pools) -> None:
     assert rank_pools.run(2, f"{PROBES}:rank_sum", 10) == [21, 21]
     pool = rank_pools.pools[2]
     starts = pool.starts

@@ -4,8 +4,9 @@ worker SIGKILLed on top) or --time_limit stops every rank after the same step wi
 exit code 75, and the run resumed from it logs the uninterrupted run's losses bit for bit. Ranks start the way
 launch/slurm.sbatch's srun starts them (one process each, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), so each
 rank's own exit code is seen. (Not torchrun: it starts each rank in a session of its own, exits 1 on SIGTERM
-whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.) The straight run
-and the resumed ones, which take no signal, run the command's training in the session's pool of ranks."""
+whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.) The straight run,
+the resumed ones and the time limit, which take no signal, run the command's training in the session's pool of
+ranks."""
 
 from __future__ import annotations
 
@@ -112,11 +113,14 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(stra
     assert _losses(run) == straight
 
 
-def test_time_limit_stops_before_it_is_up(tmp_path):
+def test_time_limit_stops_before_it_is_up(tmp_path, rank_pools):
+    """--time_limit needs no signal: the command's run on the pool's 2 ranks (its output captured)."""
     out = tmp_path / "limited"
     t0 = time.monotonic()
-    codes, text = _finish(_start(out, ["--max_steps", "100000", "--time_limit", "0.1"]))
-    assert codes == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
+    args = [*ARGS, "--output_dir", str(out), "--max_steps", "100000", "--time_limit", "0.1"]
+    ranks = rank_pools.run(2, "tests.training.worker:cli_out", args)
+    text = "".join(r["stdout"] + r["stderr"] for r in ranks)
+    assert [r["rc"] for r in ranks] == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
     assert "(--time_limit)" in text
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert (out / "checkpoints" / latest / "COMPLETE").is_file()
