@@ -10,6 +10,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled HF_HU
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/bench_gpu}; CAP=${CAP:-480}; LOG=$OUT/log.txt; RUNS=$OUT/runs; FOLDER=$OUT/v2lite4
 mkdir -p "$OUT" "$RUNS"; : >"$LOG"; T0=$(date +%s)
+# the launcher's module where a `pip --target` install left no `deepspeed` script on PATH
+if command -v deepspeed >/dev/null; then DS=(deepspeed); else DS=("$PY" -m deepspeed.launcher.runner); fi
 left() { echo $(( CAP - ($(date +%s) - T0) )); }
 say() { echo "=== +$(( $(date +%s) - T0 ))s $*" | tee -a "$LOG"; }
 part() {  # seconds at most, name, command...: run it with the smaller of its limit and the time left
@@ -24,7 +26,7 @@ run_ds() {  # name, steps, seconds at most, dstrain train args...: stopped once 
   [ "$to" -gt "$(left)" ] && to=$(left)
   say "deepspeed $name ($n steps, <= $to s): $*"
   local dir=$RUNS/$name m=$RUNS/$name/metrics.jsonl
-  setsid deepspeed --num_gpus 1 dstrain/train.py --output_dir "$dir" --log_every 1 --max_steps 100000 \
+  setsid "${DS[@]}" --num_gpus 1 dstrain/train.py --output_dir "$dir" --log_every 1 --max_steps 100000 \
     --save_every 0 --no-plots "$@" >>"$LOG" 2>&1 &
   local pid=$! t=$(date +%s)
   while kill -0 $pid 2>/dev/null; do
