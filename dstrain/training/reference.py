@@ -28,7 +28,7 @@ import torch.distributed as tdist
 
 from dstrain import dist
 from dstrain.atomic import write_atomic
-from dstrain.batch import document_index, to_device
+from dstrain.batch import IGNORE_INDEX, document_index, to_device
 from dstrain.errors import CheckpointError, DataError
 
 FILE = "dpo_reference.safetensors"
@@ -41,7 +41,7 @@ def document_keys(batch: dict[str, torch.Tensor]) -> list[bytes]:
     keep = docs >= 0
     order = docs[keep].argsort(stable=True)
     ids = batch["input_ids"].flatten()[keep][order].to(torch.int64)
-    target = (batch["labels"].flatten()[keep][order] != -100).to(torch.int64)
+    target = (batch["labels"].flatten()[keep][order] != IGNORE_INDEX).to(torch.int64)
     counts = torch.bincount(docs[keep]).tolist() if keep.any() else []
     keys = []
     for tok, tgt in zip(ids.split(counts), target.split(counts), strict=True):
