@@ -47,6 +47,7 @@ def report() -> tuple[list[str], str | None]:
     """(the lines to print, the reason a run cannot start or None)."""
     from dstrain.model import get_config, kernel_paths
     from dstrain.model.common.attention import varlen_kernels
+    from dstrain.model.common.dsa import kernel_path as dsa_kernel_path
     from dstrain.model.common.kernels import CPU_NATIVE_BF16
 
     lines = [
@@ -81,6 +82,7 @@ def report() -> tuple[list[str], str | None]:
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         paths = kernel_paths(cfg, device, dtype)
         lines.append(f"kernels, {name} on {device.type}: " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
+        lines.append(f"  sparse attention (V3.2, GLM-5), {name}: {dsa_kernel_path(device, dtype)}")
     lines.append(f"DeepSpeed ops: {_deepspeed_ops()}")
     from dstrain.training.metrics import device_peak_tflops
 

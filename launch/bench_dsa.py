@@ -1,13 +1,17 @@
-"""DeepSeek Sparse Attention on this CPU: tokens/s and step memory of a V3-shaped model with dense MLA, the same
-model with sparse attention in the dense warm-up stage, and in the sparse stage, at several row lengths.
+"""DeepSeek Sparse Attention: tokens/s and step memory of a V3-shaped model with dense MLA, the same model with
+sparse attention in the dense warm-up stage, and in the sparse stage, at several row lengths, on this CPU or a
+GPU (`--device cuda`: bf16, the Triton kernels where Triton is installed, dsa_kernels.py; each row names the
+sparse-attention kernels it ran).
 
-  python launch/bench_dsa.py                                  # T 2048, 8192, 16384; top-k 1024
+  python launch/bench_dsa.py                                  # CPU, fp32: T 2048, 8192, 16384; top-k 1024
   python launch/bench_dsa.py --lengths 8192 --rounds 2 --indexer random
+  python launch/bench_dsa.py --device cuda                    # bf16: T 4K to 64K; top-k 2048; local indexer
 
 A step is forward + backward of one row (no optimizer), the LM loss and, with sparse attention, the indexer's
 KL (its gradient injected, as in training). Two figures per length and configuration (JSON lines):
   attention  one attention layer's forward + backward (MLA, with the indexer, its KL and the selection)
-  model      the whole model's step: tokens/s, and the peak bytes of tensors created during it
+  model      the whole model's step: tokens/s, and the peak bytes of tensors created during it (on a GPU:
+             torch.cuda's peak allocated during the step less what was allocated before it)
 Timing: the three configurations interleaved A B C C B A in one process, >= 2 rounds; quoted: the median time
 and the min / median of the per-round ratios to dense MLA.
 
@@ -37,6 +41,7 @@ from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.memory.measure import AllocationTracker  # noqa: E402
 from dstrain.model import DeepSeekLM, ModelConfig  # noqa: E402
 from dstrain.model.common.attention import attention_layout  # noqa: E402
+from dstrain.model.common.dsa import kernel_path  # noqa: E402
 from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
 from dstrain.model.sources import init_weights  # noqa: E402
 
@@ -85,7 +90,7 @@ def locality_prior(model: DeepSeekLM) -> None:
         ix.weights_proj.weight.zero_()
 
 
-def models(topk: int, indexer: str) -> dict[str, DeepSeekLM]:
+def models(topk: int, indexer: str, device: torch.device, dtype: torch.dtype) -> dict[str, DeepSeekLM]:
     dense = DeepSeekLM(config(topk, sparse=False))
     init_weights(dense, 0)
     out = {"dense MLA": dense.train()}
@@ -97,13 +102,17 @@ def models(topk: int, indexer: str) -> dict[str, DeepSeekLM]:
         m.load_state_dict(dense.state_dict(), strict=False)  # the same model, plus the indexers
         m.train().set_sparse_attention(stage)
         out[f"DSA {stage} stage"] = m
-    return out
+    return {n: m.to(device, dtype) for n, m in out.items()}
 
 
-def timed(fn: Callable[[], None]) -> Callable[[], float]:
+def timed(fn: Callable[[], None], device: torch.device) -> Callable[[], float]:
     def run() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t
 
     return run
@@ -119,8 +128,12 @@ def model_step(model: DeepSeekLM, ids: torch.Tensor) -> Callable[[], None]:
 
 def attention_step(model: DeepSeekLM, t: int) -> Callable[[], None]:
     block = model.layers[1]
+    weight = block.self_attn.o_proj.weight
     x = torch.randn(1, t, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(t).unsqueeze(0)
+    x = x.to(
+        weight.device, weight.dtype
+    ).requires_grad_()  # a gradient into the block's input, as in training
+    pos = torch.arange(t, device=weight.device).unsqueeze(0)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -155,8 +168,15 @@ def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
     }
 
 
-def peak_bytes(step: Callable[[], None]) -> int:
+def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
     step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
     with AllocationTracker() as tracker:
         step()
     return tracker.peak_bytes
@@ -164,26 +184,39 @@ def peak_bytes(step: Callable[[], None]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="2048,8192,16384")
-    p.add_argument("--topk", type=int, default=1024)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: fp32 on the CPU, bf16 on a GPU")
+    p.add_argument("--lengths", help="default: 2048,8192,16384 on the CPU, 4096 to 65536 on a GPU")
+    p.add_argument("--topk", type=int, help="default: 1024 on the CPU, 2048 (V3.2's) on a GPU")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--indexer", choices=("random", "local", "both"), default="both")
+    p.add_argument("--indexer", choices=("random", "local", "both"), help="default: both; local on a GPU")
     args = p.parse_args()
+    gpu = args.device == "cuda"
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if (args.dtype or ("bf16" if gpu else "fp32")) == "bf16" else torch.float32
+    lengths = args.lengths or ("4096,8192,16384,32768,65536" if gpu else "2048,8192,16384")
+    topk = args.topk or (2048 if gpu else 1024)
+    indexer_kinds = args.indexer or ("local" if gpu else "both")
     keep_freed_memory()
     torch.set_num_threads(torch.get_num_threads())
-    path = {"threads": torch.get_num_threads(), "cpu_native_bf16": CPU_NATIVE_BF16, "dtype": "fp32"}
-    for indexer in ("random", "local") if args.indexer == "both" else (args.indexer,):
-        for t in (int(x) for x in args.lengths.split(",")):
-            ms = models(args.topk, indexer)
-            ids = torch.randint(0, 32768, (1, t), generator=torch.Generator().manual_seed(2))
-            attn = interleaved({n: timed(attention_step(m, t)) for n, m in ms.items()}, args.rounds)
-            step = interleaved({n: timed(model_step(m, ids)) for n, m in ms.items()}, args.rounds)
+    path = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "threads": torch.get_num_threads(),
+            "cpu_native_bf16": CPU_NATIVE_BF16, "dtype": str(dtype).removeprefix("torch."),
+            "sparse_kernels": kernel_path(device, dtype)}  # fmt: skip
+    for indexer in ("random", "local") if indexer_kinds == "both" else (indexer_kinds,):
+        for t in (int(x) for x in lengths.split(",")):
+            ms = models(topk, indexer, device, dtype)
+            ids = torch.randint(0, 32768, (1, t), generator=torch.Generator().manual_seed(2)).to(device)
+            attn = interleaved({n: timed(attention_step(m, t), device) for n, m in ms.items()}, args.rounds)
+            step = interleaved({n: timed(model_step(m, ids), device) for n, m in ms.items()}, args.rounds)
             for name, m in ms.items():
-                row = {"indexer": indexer, "seq_len": t, "topk": args.topk, "config": name,
+                row = {"indexer": indexer, "seq_len": t, "topk": topk, "config": name,
                        "attention_layer": attn[name], "model_step": step[name],
                        "tokens_per_s": t / step[name]["median_s"],
-                       "step_peak_mib": peak_bytes(model_step(m, ids)) / 2**20, **path}  # fmt: skip
+                       "step_peak_mib": peak_bytes(model_step(m, ids), device) / 2**20, **path}  # fmt: skip
                 print(json.dumps(row), flush=True)
+            del ms
+            if gpu:
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

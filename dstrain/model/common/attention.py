@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from dstrain.batch import PAD_POSITION, host_copy, host_to_device
 
-from .kernels import compute_dtype, cuda_capability, gpu_kernels
+from .kernels import compute_dtype, cuda_capability, gpu_kernels, triton_kernels
 
 log = logging.getLogger(__name__)
 
@@ -256,13 +256,17 @@ def attend(
         rows = [x.to(cdtype).transpose(1, 2).reshape(b * h, t, -1) for x in (q, k, v)]
         out = _cpu_attention(*rows, scale, layout.doc, selection)[0]
         return out.view(b, h, t, dv).transpose(1, 2).to(q.dtype)
+    if selection is not None and triton_kernels(q.device, q.dtype):
+        from .dsa_kernels import sparse_attend  # imports Triton: only where it runs
+
+        return sparse_attend(q, k, v, scale, selection, layout.doc)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if layout.causal_only and selection is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
     if layout.mask is None:  # built once per forward, by the first layer that needs it
         layout.mask = _causal_mask(t, q.device, layout.doc)
     mask = layout.mask
-    if selection is not None:  # no sparse kernel here: SDPA over a (B, 1, T, T) mask of the chosen keys
+    if selection is not None:  # no Triton: SDPA over a (B, 1, T, T) mask of the chosen keys
         chosen = torch.zeros(b, t, t, dtype=torch.bool, device=q.device).scatter_(-1, selection, True)
         mask = mask & chosen.unsqueeze(1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)

@@ -17,7 +17,9 @@ the LM loss alone and the indexer from its KL alone. In the sparse stage both di
 the selected keys. Nothing (T, T)-sized is kept: `index_pass` walks blocks of query rows, computing scores,
 the selection, the KL and its gradient with respect to the indexer's q, k and w in the same pass; those
 gradients (the size of q, k and w) are kept and handed to autograd when the attention output's gradient
-arrives (`_inject`), scaled by the caller's factor, as Megatron's DSAIndexerLossAutoScaler does.
+arrives (`_inject`), scaled by the caller's factor, as Megatron's DSAIndexerLossAutoScaler does. Where
+Triton's kernels run (kernels.triton_kernels: a GPU, or the interpreter in tests) the scores and their gradient
+are index_kernels' fused kernels (`kernel_path` names what runs).
 
 Top-k is deterministic with a fixed tie rule: among equal scores the later key wins (GLM-5 reports that
 non-deterministic top-k degraded training).
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from .attention import UNION_DENSE, AttentionLayout, attend
+from .kernels import gpu_kernels, triton_kernels
 
 SCORE_ELEMENTS = 1 << 23  # (rows x heads x keys) fp32 score elements per block of query rows: 32 MiB
 
@@ -102,23 +105,29 @@ def index_pass(
     dev = q.device
     scale = dim**-0.5
     work = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64 for gradcheck
-    qf, kf, wf = q.to(work), k.to(work), w.to(work)
+    kernels = _kernels(q)
+    # Triton's scores read q and k as they are (bf16 GEMMs accumulate in fp32); torch upcasts them
+    qf, kf, wf = (q, k, w.float()) if kernels else (q.to(work), k.to(work), w.to(work))
     width = min(topk, t) if topk is not None else 0
     selection = torch.empty(b, t, width, dtype=torch.int64, device=dev) if topk is not None else None
     stats = torch.zeros(4, dtype=torch.float64, device=dev)
-    dq = torch.zeros_like(qf) if grads else None
-    dk = torch.zeros_like(kf) if grads else None
-    dw = torch.zeros_like(wf) if grads else None
+    dq = torch.zeros(q.shape, dtype=work, device=dev) if grads else None
+    dk = torch.zeros(k.shape, dtype=work, device=dev) if grads else None
+    dw = torch.zeros(w.shape, dtype=work, device=dev) if grads else None
     main_heads = target.q.shape[2] if target is not None else 0
-    rows = max(1, SCORE_ELEMENTS // (b * max(heads, main_heads) * t))
+    # The kernels keep no per-head scores: a block's are (B, rows, keys), the target's (B, main heads, ...)
+    rows = max(1, SCORE_ELEMENTS // (b * max(1 if kernels else heads, main_heads) * t))
     for s in range(0, t, rows):
         e = min(s + rows, t)
         c = e - s
-        raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf[:, :e].transpose(1, 2))
-        act = raw.view(b, c, heads, e).mul_(scale).relu_()  # act > 0 exactly where the score was
-        index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
         valid = _valid(s, e, doc, b, dev).expand(b, c, e)
-        index = index.masked_fill(~valid, float("-inf"))
+        if kernels:
+            act, index = None, kernels.index_scores(qf, kf, wf, s, e, doc, scale)  # masked
+        else:
+            raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf[:, :e].transpose(1, 2))
+            act = raw.view(b, c, heads, e).mul_(scale).relu_()  # act > 0 exactly where the score was
+            index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
+            index = index.masked_fill(~valid, float("-inf"))
         chosen = None
         if selection is not None:
             top = top_keys(index, width)
@@ -137,10 +146,11 @@ def index_pass(
             keys = None
         cols = slice(0, e) if keys is None else keys
         sub = support[..., cols]
-        # The KL of two close distributions is a small difference of large terms: float64 from here on
+        # The KL of two close distributions is a small difference of large terms: float64 from here on (see
+        # `_kl`; the scores and probabilities come in fp32, from the kernels too)
         p = _target_block(target, s, e, sub, cols)
         logq = index[..., cols].double().masked_fill(~sub, float("-inf")).log_softmax(dim=-1)
-        kl = torch.where(sub, torch.xlogy(p, p) - p * logq.masked_fill(~sub, 0.0), 0.0).sum(-1)
+        kl = _kl(p, logq, sub)
         counted = b * c
         if target.real is not None:
             keep = target.real[:, s:e]
@@ -154,18 +164,55 @@ def index_pass(
             stats[3] += counted
         if grads:  # d KL / d I is 0 off the support: the chain to q, k and w only over the keys scored
             d_index = torch.where(sub, logq.exp() - p, 0.0).to(work)
-            act_k = act if keys is None else act[..., keys]
-            dw[:, s:e] = torch.matmul(act_k, d_index.unsqueeze(-1)).squeeze(-1)
-            d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (act_k > 0) * scale
-            d_raw = d_raw.view(b, c * heads, -1)
-            dq[:, s:e] = torch.matmul(d_raw, kf[:, cols]).view(b, c, heads, dim)
-            d_keys = torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
-            if keys is None:
-                dk[:, :e] += d_keys
+            if kernels:
+                at = torch.arange(e, device=dev) if keys is None else keys
+                dq[:, s:e], dw[:, s:e] = kernels.index_score_grads(qf, kf, wf, s, e, at, d_index, scale, dk)
             else:
-                dk.index_add_(1, keys, d_keys)
+                act_k = act if keys is None else act[..., keys]
+                dw[:, s:e] = torch.matmul(act_k, d_index.unsqueeze(-1)).squeeze(-1)
+                d_raw = d_index.unsqueeze(2) * wf[:, s:e].unsqueeze(-1) * (act_k > 0) * scale
+                d_raw = d_raw.view(b, c * heads, -1)
+                dq[:, s:e] = torch.matmul(d_raw, kf[:, cols]).view(b, c, heads, dim)
+                d_keys = torch.matmul(d_raw.transpose(1, 2), qf[:, s:e].reshape(b, c * heads, dim))
+                if keys is None:
+                    dk[:, :e] += d_keys
+                else:
+                    dk.index_add_(1, keys, d_keys)
     out_grads = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
     return PassResult(selection, stats, out_grads)
+
+
+def kernel_path(device: torch.device, dtype: torch.dtype) -> str:
+    """What sparse attention runs on `device` at `dtype`: the indexer's scores, top-k, and attention over the
+    selected keys (`dstrain env`, a run's kernel line)."""
+    if triton_kernels(device, dtype):
+        where = "" if device.type == "cuda" else " (Triton's CPU interpreter)"
+        return f"triton indexer, torch top-k of its scores' ordered keys, triton sparse attention{where}"
+    if gpu_kernels(device):
+        return (
+            "torch indexer blocks, torch top-k, SDPA over a (B, 1, T, T) mask of the chosen keys "
+            "(Triton's kernels need Triton and a GPU, or TRITON_INTERPRET=1)"
+        )
+    return "torch indexer blocks, torch top-k, block attention over the chosen keys (dstrain's CPU kernel)"
+
+
+def _kernels(q: torch.Tensor) -> Any:
+    """index_kernels (the Triton indexer) where it runs for q (kernels.triton_kernels), else None."""
+    if not triton_kernels(q.device, q.dtype):
+        return None
+    from . import index_kernels  # imports Triton: only where it runs
+
+    return index_kernels
+
+
+def _kl(p: torch.Tensor, logq: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per query over the support, term by term: p log p - p log q with log q from a log-softmax
+    (the max subtracted), never the difference of two whole sums. Still float64: each term carries an error of
+    its dtype's epsilon times p (|log p| + |log q|), ~1e-7 per query in fp32 against KLs of ~1e-5 per query
+    once the indexer has learned; in fp32 the layouts' KL figures parted by up to 3.6e-4 (relative) from one
+    process's (tests/parallel/test_layouts.py, under the Triton kernels), against 1e-5 in float64. The block
+    is (B, rows, keys), elementwise: float64 costs bandwidth there, not GEMM throughput."""
+    return torch.where(support, torch.xlogy(p, p) - p * logq.masked_fill(~support, 0.0), 0.0).sum(-1)
 
 
 def _target_block(

@@ -11,6 +11,8 @@ tests run the GPU-side logic on a machine without a GPU; `auto` (the default) fo
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import torch
@@ -33,6 +35,20 @@ FAST_GROUPED_GEMM = ((9, 0), (10, 0))
 def gpu_kernels(device: torch.device) -> bool:
     """Whether work on `device` takes the CUDA branch of a kernel choice (see the top)."""
     return device.type == "cuda" or KERNEL_POLICY == "cuda"
+
+
+@functools.cache
+def _triton_runs(device_type: str) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether work on `device` at `dtype` runs dstrain's Triton kernels (dsa_kernels.py, index_kernels.py):
+    the CUDA branch, Triton installed, and a GPU or Triton's CPU interpreter (TRITON_INTERPRET=1, the tests);
+    float64 (gradient checks) stays on torch."""
+    return gpu_kernels(device) and dtype != torch.float64 and _triton_runs(device.type)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .attention import attention_path
+from .dsa import kernel_path as dsa_kernel_path
 from .experts import grouped_mm_ok
 from .kernels import compute_dtype
 
@@ -46,7 +47,7 @@ class ModelOutput(dict):
 
 def kernel_paths(cfg: Any, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Which kernels the model runs on `device` at `dtype`: attention on plain and on packed rows, the routed
-    experts' GEMMs (what `dstrain env` and a run's first lines show)."""
+    experts' GEMMs, DeepSeek Sparse Attention's (what `dstrain env` and a run's first lines show)."""
     compute = compute_dtype(torch.empty((), dtype=dtype, device=device)) if device.type == "cpu" else dtype
     own = getattr(cfg, "attention_kernel", None)  # a family with one kernel everywhere (DeepSeek-V4's)
     paths = (
@@ -57,6 +58,8 @@ def kernel_paths(cfg: Any, device: torch.device, dtype: torch.dtype) -> dict[str
             "attention, packed rows": attention_path(device, dtype, packed=True),
         }
     )
+    if getattr(cfg, "sparse_attention", False) and not own:
+        paths["sparse attention"] = dsa_kernel_path(device, dtype)
     if cfg.is_moe:
         fast = grouped_mm_ok(compute, device, cfg.hidden_size, cfg.moe_intermediate_size)
         paths["experts"] = "grouped GEMM" if fast else "a GEMM per expert (offsets read once per layer)"
