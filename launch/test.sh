@@ -20,7 +20,8 @@ fi
 # one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
-moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py)
+moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py
+  tests/test_pool.py)
 (
   "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
     "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}" &&
