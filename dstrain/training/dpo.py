@@ -186,7 +186,9 @@ class DPO:
                     token_losses=True)  # fmt: skip
 
     @torch.no_grad()
-    def reference(self, engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], i: int):
+    def reference(
+        self, engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], i: int
+    ) -> torch.Tensor:
         """Micro batch `i`'s documents' reference log-probabilities (whole documents under sequence
         parallelism): from the table where precomputed, else a forward with the adapters off."""
         if self.table is not None:
