@@ -146,7 +146,7 @@ class DPO:
             n_docs.append(n)
             out.append({**b, "documents": docs})
         with_keys = self.precomputed if keys is None else keys
-        return out, Pairs(n_docs, [document_keys(b) for b in batches] if with_keys else None)
+        return out, Pairs(n_docs, [document_keys(b) for b in out] if with_keys else None)
 
     def begin_step(
         self, batches: list[dict[str, torch.Tensor]], dp_sum: Any, device: torch.device

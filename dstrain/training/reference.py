@@ -35,9 +35,10 @@ FILE = "dpo_reference.safetensors"
 
 
 def document_keys(batch: dict[str, torch.Tensor]) -> list[bytes]:
-    """A key per document of a whole-rows batch, in `document_index` order: a hash of its token ids and of
-    which of them are targets."""
-    docs = document_index(batch["labels"], batch.get("position_ids")).flatten()
+    """A key per document of a whole-rows batch, in `document_index` order (its `documents` where DPO.number
+    put them there): a hash of its token ids and of which of them are targets."""
+    docs = batch.get("documents")
+    docs = (document_index(batch["labels"], batch.get("position_ids")) if docs is None else docs).flatten()
     keep = docs >= 0
     order = docs[keep].argsort(stable=True)
     ids = batch["input_ids"].flatten()[keep][order].to(torch.int64)

@@ -38,6 +38,14 @@ def _heads_block(h: int) -> int:
 
 
 @triton.jit
+def _row(base, heads, hmask, stride_h, dims, DP: tl.constexpr):
+    """(heads, DP) fp32: one position's rows for a block of heads (masked: 0)."""
+    d = tl.arange(0, DP)
+    mask = hmask[:, None] & (d < dims)[None, :]
+    return tl.load(base + heads[:, None] * stride_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gather(base, idx, ok, heads, hmask, stride_t, stride_h, dims, DP: tl.constexpr):
     """(heads, keys, DP) fp32 rows of the keys `idx` (masked: 0)."""
     d = tl.arange(0, DP)
@@ -58,10 +66,8 @@ def _sparse_fwd(
     t = bt % T
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
-    d = tl.arange(0, DP)
     dv = tl.arange(0, DVP)
-    q = tl.load(Q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :],
-                mask=hmask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    q = _row(Q + b * sq_b + t * sq_t, heads, hmask, sq_h, D, DP)
     m = tl.full((BH,), float("-inf"), tl.float32)
     m_safe = tl.zeros((BH,), tl.float32)
     total = tl.zeros((BH,), tl.float32)
@@ -111,12 +117,9 @@ def _sparse_dq(
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
     d = tl.arange(0, DP)
-    dv = tl.arange(0, DVP)
     qmask = hmask[:, None] & (d < D)[None, :]
-    q = tl.load(Q + b * sq_b + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
-    q = q.to(tl.float32)
-    do = tl.load(DO + b * sd_b + t * sd_t + heads[:, None] * sd_h + dv[None, :],
-                 mask=hmask[:, None] & (dv < DVD)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    q = _row(Q + b * sq_b + t * sq_t, heads, hmask, sq_h, D, DP)
+    do = _row(DO + b * sd_b + t * sd_t, heads, hmask, sd_h, DVD, DVP)
     lse = tl.load(LSE + bt * H + heads, mask=hmask, other=0.0)
     delta = tl.load(DELTA + bt * H + heads, mask=hmask, other=0.0)
     dq = tl.zeros((BH, DP), tl.float32)
@@ -151,10 +154,8 @@ def _sparse_dkv(
     dv = tl.arange(0, DVP)
     kmask = hmask[:, None] & (d < D)[None, :]
     vmask = hmask[:, None] & (dv < DVD)[None, :]
-    k = tl.load(K + b * sk_b + u * sk_t + heads[:, None] * sk_h + d[None, :], mask=kmask, other=0.0)
-    v = tl.load(V + b * sv_b + u * sv_t + heads[:, None] * sv_h + dv[None, :], mask=vmask, other=0.0)
-    k = k.to(tl.float32)
-    v = v.to(tl.float32)
+    k = _row(K + b * sk_b + u * sk_t, heads, hmask, sk_h, D, DP)
+    v = _row(V + b * sv_b + u * sv_t, heads, hmask, sv_h, DVD, DVP)
     dk = tl.zeros((BH, DP), tl.float32)
     dvv = tl.zeros((BH, DVP), tl.float32)
     lo = tl.load(STARTS + bu)

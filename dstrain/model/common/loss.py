@@ -59,7 +59,7 @@ def _weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return linear(grad.t(), h.t())
 
 
-_DTYPE_ADDMM_IN_PLACE: dict[str, bool] = {}  # per device type: does addmm take an fp32 `self` with out_dtype?
+_NO_ADDMM_IN_PLACE: set[str] = set()  # device types whose addmm refused an fp32 `self` with out_dtype
 
 
 def _accumulate_weight_grad(dw: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
@@ -68,19 +68,19 @@ def _accumulate_weight_grad(dw: torch.Tensor, grad: torch.Tensor, h: torch.Tenso
     fp32 product is a temporary, added once per chunk (2048-row chunks make that a few adds a step)."""
     if grad.dtype == dw.dtype:
         dw.addmm_(grad.t(), h)
-    elif h.device.type != "cuda":  # a CPU has no out_dtype GEMM: the same math on upcast (rows x ...) inputs
+        return
+    if h.device.type != "cuda":  # a CPU has no out_dtype GEMM: the same math on upcast (rows x ...) inputs
         dw.addmm_(grad.t().to(dw.dtype), h.to(dw.dtype))
-    elif _DTYPE_ADDMM_IN_PLACE.get(h.device.type, True):
+        return
+    if h.device.type not in _NO_ADDMM_IN_PLACE:
         try:
             torch.addmm(dw, grad.t(), h, out_dtype=dw.dtype, out=dw)
-            _DTYPE_ADDMM_IN_PLACE[h.device.type] = True
+            return
         except RuntimeError as exc:  # argument checks only, before any kernel: dw is untouched
             if isinstance(exc, torch.OutOfMemoryError):
                 raise
-            _DTYPE_ADDMM_IN_PLACE[h.device.type] = False
-            dw.add_(torch.mm(grad.t(), h, out_dtype=dw.dtype))
-    else:
-        dw.add_(torch.mm(grad.t(), h, out_dtype=dw.dtype))
+            _NO_ADDMM_IN_PLACE.add(h.device.type)
+    dw.add_(torch.mm(grad.t(), h, out_dtype=dw.dtype))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
