@@ -14,14 +14,14 @@ if [ "$#" -gt 0 ]; then
 fi
 # Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the
 # other core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
-# tests/helpers/pool.py), and the rest followed by four multi-rank files (balancing the two) and the CUDA-policy
+# tests/helpers/pool.py), and the rest followed by some multi-rank tests (balancing the two) and the CUDA-policy
 # pass. Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded in
 # time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
 # one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py
-  tests/test_pool.py)
+  tests/test_pool.py tests/config/test_ds_file.py::test_other_projects_templates_run_or_are_refused_in_one_line)
 (
   "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
     "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}" &&
@@ -32,7 +32,7 @@ moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_in
 ) >"$tmp/rest.log" 2>&1 &
 rest=$!
 status=0
-"${pytest[@]}" -m multirank --durations=30 --basetemp "$tmp/ranks" "${moved[@]/#/--ignore=}" || status=$?
+"${pytest[@]}" -m multirank --durations=30 --basetemp "$tmp/ranks" "${moved[@]/#/--deselect=}" || status=$?
 wait "$rest" || status=$?
 echo "--- the other session: the tests not marked multirank, ${moved[*]}, then DSTRAIN_KERNEL_POLICY=cuda"
 cat "$tmp/rest.log"

@@ -287,13 +287,15 @@ class _Shapes:
         return out + core + 4 * n * h + n * h * c.v_head_dim * a  # + log-sum-exp, o_proj's input
 
     def sparse_saved(self, indexer: bool) -> int:
-        """Sparse attention: the keys chosen (the attention kernel keeps them) and, where the layer has an
-        indexer that learns, its k_norm's fp32 input and statistics and the KL's gradient with respect to the
-        indexer's q, k and weights (kept for backward, dsa.py)."""
+        """Sparse attention: the keys chosen (int64, kept for a layer that shares them; on a GPU the Triton
+        kernel keeps its int32 usable keys too) and, where the layer has an indexer that learns, its k_norm's
+        fp32 input and statistics and the KL's gradient with respect to the indexer's q, k and weights (kept
+        for backward, dsa.py)."""
         c, n, a, w = self.cfg, self.n, self.a, self.w
         if not c.sparse_attention:
             return 0
-        out = n * min(c.index_topk, self.t) * 8 if w.dsa_stage != "dense" and self.t > c.index_topk else 0
+        sparse = w.dsa_stage != "dense" and self.t > c.index_topk
+        out = n * min(c.index_topk, self.t) * (8 if self.cpu else 12) if sparse else 0
         if indexer and w.dsa_stage != "frozen":
             heads, dim = c.index_n_heads, c.index_head_dim
             out += n * dim * 4 + 8 * n + (8 * dim if a == 2 else 0)  # k_norm: fp32 input, mean, rstd
@@ -301,14 +303,27 @@ class _Shapes:
         return out
 
     def sparse_work(self) -> int:
-        """The indexer's walk over blocks of query rows (dsa.index_pass): fp32 scores of every head, their
-        ReLU and gradient, the target's per-head probabilities, float64 distributions of the block."""
-        c = self.cfg
+        """The indexer's walk over blocks of query rows (dsa.index_pass) on whole rows (sequence parallelism
+        gathers them). The torch path: fp32 scores of every head, their ReLU and gradient, the target's
+        per-head probabilities, float64 distributions of the block. A GPU's Triton path in the sparse stages
+        (dsa_kernels, index_kernels: Triton comes with torch's CUDA builds): no per-head scores, a block of
+        fp32 scores with their int64 ordered keys and masks; learning, the chosen keys' scores and the
+        attention's target (B, T, k) fp32 until the KL (float64 blocks) and its gradient's fp32 block. Both
+        grow with T, not T^2: the blocks hold SCORE_ELEMENTS scores at most."""
+        c, w = self.cfg, self.w
         if not c.sparse_attention:
             return 0
+        t = w.seq_len
+        if not self.cpu and w.dsa_stage != "dense" and t > c.index_topk:
+            block = w.micro_batch * max(1, SCORE_ELEMENTS // (w.micro_batch * t)) * t
+            out = block * (4 + 8 + 2)
+            if w.dsa_stage == "sparse":
+                nk, rows = w.micro_batch * t * c.index_topk, block // t
+                out += nk * 8 + rows * c.index_topk * 8 * 4 + block * 4
+            return out
         heads = max(c.index_n_heads, self.heads)
-        rows = max(1, SCORE_ELEMENTS // (self.w.micro_batch * heads * self.t))
-        block = self.w.micro_batch * min(rows, self.t) * self.t
+        rows = max(1, SCORE_ELEMENTS // (w.micro_batch * heads * t))
+        block = w.micro_batch * min(rows, t) * t
         return 3 * block * heads * 4 + 4 * block * 8
 
     def swiglu(self, width: int) -> int:

@@ -72,7 +72,18 @@ def check_resume(path: Path, optimizer: str) -> None:
         )
 
 
-def after_initialize(engine: Any, choice: Choice) -> None:
-    """Muon: where each parameter's slices live under the engine's ZeRO / bf16 optimizer."""
+def initialize(choice: Choice, module: nn.Module, **kwargs: Any) -> Any:
+    """deepspeed.initialize with the optimizer `choice` (`kwargs`: its other arguments) -> the engine, with
+    Muon bound to where each parameter's slices live under the engine's ZeRO / bf16 optimizer."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=choice.model_parameters,
+        optimizer=choice.optimizer,
+        config=choice.config,
+        **kwargs,
+    )
     if choice.optimizer is not None:
         bind(engine.optimizer, choice.optimizer)
+    return engine

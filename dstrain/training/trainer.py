@@ -126,16 +126,13 @@ class Trainer:
         model.train()
         choice = optimizer.choose(self.plan, model, module)
         self._show_optimizer_table(choice.table)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=module,
-            model_parameters=choice.model_parameters,
-            optimizer=choice.optimizer,
-            config=choice.config,
+        self.engine = optimizer.initialize(
+            choice,
+            module,
             lr_scheduler=make_scheduler_factory(opts.schedule),
             mpu=None if self.pipe else mpu,
             dist_init_required=False,
         )
-        optimizer.after_initialize(self.engine, choice)
         if self.dims.model_parallel:
             from dstrain.parallel.gradnorm import install_global_grad_norm
 

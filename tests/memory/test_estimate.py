@@ -157,3 +157,19 @@ def test_lora_trains_only_its_share(flags):
     assert tuned.terms[PARAMS] == full.terms[PARAMS]
     assert tuned.terms[STATES] == pytest.approx(full.terms[STATES] * share, abs=1)  # terms are whole bytes
     assert tuned.peak < full.peak
+
+
+@pytest.mark.parametrize("stage", ["dense", "sparse"])
+def test_a_64k_row_of_a_v32_layer_grows_linearly_and_fits_one_gpu(stage):
+    """DeepSeek-V3.2's sparse attention on a GPU (the Triton kernels: no (T, T) tensor, blocks of at most
+    SCORE_ELEMENTS scores): one layer's saved activations and its forward's temporaries double with the row,
+    and a 64K-token row of one layer (bf16, its 128 heads on one GPU) fits 80 GB with room for the rest."""
+
+    def layer(t: int) -> int:
+        w = workload(get_config("deepseek-v3.2"), micro_batch=1, seq_len=t, dsa_stage=stage)
+        block = next(x for x in rank_layers(w)[0] if x.name == "block 0")
+        return block.saved + block.forward
+
+    a16, a32, a64 = (layer(t) for t in (16384, 32768, 65536))
+    assert 1.95 <= a64 / a32 <= 2.05 and 1.95 <= a32 / a16 <= 2.05
+    assert a64 < 50 * 2**30

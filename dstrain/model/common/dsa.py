@@ -19,7 +19,9 @@ the selection, the KL and its gradient with respect to the indexer's q, k and w 
 gradients (the size of q, k and w) are kept and handed to autograd when the attention output's gradient
 arrives (`_inject`), scaled by the caller's factor, as Megatron's DSAIndexerLossAutoScaler does. Where
 Triton's kernels run (kernels.triton_kernels: a GPU, or the interpreter in tests) the scores and their gradient
-are index_kernels' fused kernels (`kernel_path` names what runs).
+are index_kernels' fused kernels, and in the sparse stage the attention kernel returns the KL's target from its
+own pass (`sparse_kl`): the indexer's loss costs no second look at the main attention (`kernel_path` names
+what runs).
 
 Top-k is deterministic with a fixed tie rule: among equal scores the later key wins (GLM-5 reports that
 non-deterministic top-k degraded training).
@@ -65,6 +67,9 @@ class PassResult:
     queries, queries counted for recall (0 where the target was restricted to the selection)."""
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """d(KL sum)/d(q, k, w) of the indexer."""
+    scores: torch.Tensor | None = None
+    """(B, T, k) fp32: the index scores of the selection's keys in ascending key order, as
+    dsa_kernels.usable_keys orders them (index_pass with `scores`; for `sparse_kl`)."""
 
 
 def _ordered(scores: torch.Tensor) -> torch.Tensor:
@@ -98,9 +103,11 @@ def index_pass(
     doc: torch.Tensor | None,
     target: Target | None = None,
     grads: bool = False,
+    scores: bool = False,
 ) -> PassResult:
     """One walk over blocks of query rows: the indexer's scores, each query's `topk` keys (None: no
-    selection), with a `target` the KL loss and the recall, with `grads` the KL's gradient (see the top)."""
+    selection), with a `target` the KL loss and the recall, with `grads` the KL's gradient (see the top),
+    with `scores` the selected keys' scores."""
     b, t, heads, dim = q.shape
     dev = q.device
     scale = dim**-0.5
@@ -110,6 +117,7 @@ def index_pass(
     qf, kf, wf = (q, k, w.float()) if kernels else (q.to(work), k.to(work), w.to(work))
     width = min(topk, t) if topk is not None else 0
     selection = torch.empty(b, t, width, dtype=torch.int64, device=dev) if topk is not None else None
+    chosen_scores = torch.empty(b, t, width, dtype=torch.float32, device=dev) if scores else None
     stats = torch.zeros(4, dtype=torch.float64, device=dev)
     dq = torch.zeros(q.shape, dtype=work, device=dev) if grads else None
     dk = torch.zeros(k.shape, dtype=work, device=dev) if grads else None
@@ -120,7 +128,8 @@ def index_pass(
     for s in range(0, t, rows):
         e = min(s + rows, t)
         c = e - s
-        valid = _valid(s, e, doc, b, dev).expand(b, c, e)
+        # the masks: the kernels' scores come masked; a selection alone needs no more (the sparse stage's route)
+        valid = _valid(s, e, doc, b, dev).expand(b, c, e) if target is not None or not kernels else None
         if kernels:
             act, index = None, kernels.index_scores(qf, kf, wf, s, e, doc, scale)  # masked
         else:
@@ -128,17 +137,20 @@ def index_pass(
             act = raw.view(b, c, heads, e).mul_(scale).relu_()  # act > 0 exactly where the score was
             index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2)  # (B, c, e)
             index = index.masked_fill(~valid, float("-inf"))
-        chosen = None
         if selection is not None:
             top = top_keys(index, width)
             if top.shape[-1] < width:  # fewer keys than width: every one is chosen; pad with repeats
                 top = torch.cat([top, top[..., -1:].expand(-1, -1, width - top.shape[-1])], dim=-1)
             selection[:, s:e] = top
+            if chosen_scores is not None:
+                chosen_scores[:, s:e] = index.gather(-1, top.sort(dim=-1).values)
+        if target is None:
+            continue
+        chosen = None
+        if selection is not None:
             chosen = torch.zeros(b, c, e, dtype=torch.bool, device=dev).scatter_(
                 -1, top.clamp(max=e - 1), True
             )
-        if target is None:
-            continue
         support = valid & chosen if target.sparse else valid
         # Sparse: the target over the block's chosen keys only (the attention kernel's scheme)
         keys = support.any(dim=0).any(dim=0).nonzero().flatten() if target.sparse else None
@@ -179,7 +191,52 @@ def index_pass(
                 else:
                     dk.index_add_(1, keys, d_keys)
     out_grads = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
-    return PassResult(selection, stats, out_grads)
+    return PassResult(selection, stats, out_grads, chosen_scores)
+
+
+@torch.no_grad()
+def sparse_kl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    result: PassResult,
+    keys: torch.Tensor,
+    target: torch.Tensor,
+    real: torch.Tensor | None,
+    grads: bool,
+) -> PassResult:
+    """The sparse stage's KL where the attention kernel produced its target in its own pass
+    (dsa_kernels.sparse_attend with `target`): `target` (B, T, k) fp32 is every head's probability of each of
+    the `keys` (usable_keys of result.selection: sorted, -1 where unusable) summed, over the group's heads too;
+    the indexer's distribution is its scores over the same keys (result.scores, from index_pass with
+    `scores`). -> `result` with the KL's stats and, with `grads`, its gradient to the indexer's q, k and w
+    (index_kernels, block by block). Equal to index_pass's sparse KL, which recomputes the target."""
+    b, t, _, dim = q.shape
+    kernels = _kernels(q) if grads else None
+    assert kernels is not None or not grads, "sparse_kl's gradient runs where the Triton kernels do"
+    stats = torch.zeros(4, dtype=torch.float64, device=q.device)
+    stats[1] = real.sum(dtype=torch.float64) if real is not None else b * t
+    if grads:
+        wf = w.float()
+        dq, dk, dw = (torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, w))
+    rows = max(1, SCORE_ELEMENTS // (b * t))  # the gradient's (B, rows, keys :e) block: as index_pass's
+    for s in range(0, t, rows):
+        e = min(s + rows, t)
+        usable = keys[:, s:e] >= 0
+        if real is not None:
+            usable &= real[:, s:e].unsqueeze(-1)
+        logq = result.scores[:, s:e].double().masked_fill(~usable, float("-inf")).log_softmax(dim=-1)
+        p = target[:, s:e].double().masked_fill(~usable, 0.0)
+        p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        stats[0] += _kl(p, logq, usable).sum(dtype=torch.float64)  # a padding query's support is empty: 0
+        if grads:  # d KL / d I over each row's keys, scattered to the block's keys :e
+            d_block = torch.zeros(b, e - s, e, dtype=torch.float32, device=q.device)
+            d_index = torch.where(usable, logq.exp() - p, 0.0).float()
+            d_block.scatter_add_(-1, keys[:, s:e].long().clamp(min=0), d_index)
+            at = torch.arange(e, device=q.device)
+            dq[:, s:e], dw[:, s:e] = kernels.index_score_grads(q, k, wf, s, e, at, d_block, dim**-0.5, dk)
+    out = (dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)) if grads else None
+    return PassResult(result.selection, stats, out, result.scores)
 
 
 def kernel_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -187,7 +244,10 @@ def kernel_path(device: torch.device, dtype: torch.dtype) -> str:
     selected keys (`dstrain env`, a run's kernel line)."""
     if triton_kernels(device, dtype):
         where = "" if device.type == "cuda" else " (Triton's CPU interpreter)"
-        return f"triton indexer, torch top-k of its scores' ordered keys, triton sparse attention{where}"
+        return (
+            f"triton indexer, torch top-k of its scores' ordered keys, triton sparse attention (the sparse "
+            f"stage's KL target from its own pass){where}"
+        )
     if gpu_kernels(device):
         return (
             "torch indexer blocks, torch top-k, SDPA over a (B, 1, T, T) mask of the chosen keys "
@@ -325,13 +385,22 @@ def sparse_attention(
         q, k, v = (seq_parallel.to_heads(z) for z in (q, k, v))
         head_sum = seq_parallel.sum
     trains = torch.is_grad_enabled() and any(p.requires_grad for p in indexer.parameters())
-    sparse_kl = not settings.dense and torch.is_grad_enabled()
+    sparse_loss = not settings.dense and torch.is_grad_enabled()
     real = layout.real_rows
-    target = Target(q.detach(), k.detach(), scale, sparse_kl, head_sum, real) if measure else None
-    result = index_pass(iq, ik, iw, topk, layout.doc, target, grads=measure and settings.loss and trains)
+    grads = measure and settings.loss and trains
+    if measure and sparse_loss and topk < iq.shape[1] and triton_kernels(q.device, q.dtype) and _kernels(iq):
+        # The attention kernel hands back the KL's target from its own pass: no second look at q and k
+        from .dsa_kernels import sparse_attend
+
+        result = index_pass(iq, ik, iw, topk, layout.doc, scores=True)
+        out, p, keys = sparse_attend(q, k, v, scale, result.selection, layout.doc, target=True)
+        result = sparse_kl(iq, ik, iw, result, keys, head_sum(p) if head_sum else p, real, grads)
+    else:
+        target = Target(q.detach(), k.detach(), scale, sparse_loss, head_sum, real) if measure else None
+        result = index_pass(iq, ik, iw, topk, layout.doc, target, grads=grads)
+        out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
     layout.selections[settings.layer] = result.selection
     layout.stats[settings.layer] = result.stats
-    out = attend(q, k, v, scale, layout, None if settings.dense else result.selection)
     if result.grads is not None:
         factor = settings.grad_scale
         if factor is None:  # the mean over the forward's real queries

@@ -9,7 +9,8 @@ one sort): no atomics, deterministic. Cost and memory grow with T x k; nothing (
 key, head and dim instead ran 17x slower than the forward on an H100.) Repeated, later (causal) and other
 documents' keys are set to -1 beforehand (`usable_keys`, (B, T, k) int32, sorted per row so that repeats are
 adjacent), and the kernels skip them. Optionally the forward also writes the head-summed probabilities over
-the chosen keys (the sparse stage's KL target) with a second sweep (not yet used by dsa.index_pass). Offsets
+the chosen keys with a second sweep: the sparse stage's KL target (`sparse_attend` with `target`, dsa.sparse_kl),
+so that nothing recomputes the main attention's scores for the indexer. Offsets
 are int32: B x T x k < 2^31 (a 64K row with top-k 2048 is 2^27).
 
 Imported only where kernels.triton_kernels holds: Triton installed, and a CUDA tensor or TRITON_INTERPRET=1
@@ -267,18 +268,23 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 class SparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, keys, scale):  # noqa: ANN001, ANN205
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-        out, lse, _ = sparse_forward(q, k, v, keys, scale)
-        ctx.save_for_backward(q, k, v, out, lse, keys)
-        ctx.scale = scale
-        return out
+    """-> the output, and with `target` the head-summed probabilities of the keys too (no gradient)."""
 
     @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, keys, scale, target=False):  # noqa: ANN001, ANN205
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        out, lse, psum = sparse_forward(q, k, v, keys, scale, target)
+        ctx.save_for_backward(q, k, v, out, lse, keys)
+        ctx.scale = scale
+        if psum is None:
+            return out
+        ctx.mark_non_differentiable(psum)
+        return out, psum
+
+    @staticmethod
+    def backward(ctx, dout, *_):  # noqa: ANN001, ANN205
         q, k, v, out, lse, keys = ctx.saved_tensors
-        return *sparse_backward(dout, q, k, v, out, lse, keys, ctx.scale), None, None
+        return *sparse_backward(dout, q, k, v, out, lse, keys, ctx.scale), None, None, None
 
 
 def sparse_attend(
@@ -288,6 +294,13 @@ def sparse_attend(
     scale: float,
     selection: torch.Tensor,
     doc: torch.Tensor | None,
-) -> torch.Tensor:
-    """attention.attend with a selection: q, k (B, T, H, Dqk), v (B, T, H, Dv), selection (B, T, k)."""
-    return SparseAttention.apply(q, k, v, usable_keys(selection, doc), scale)
+    target: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention.attend with a selection: q, k (B, T, H, Dqk), v (B, T, H, Dv), selection (B, T, k) -> the
+    output; with `target` also the sparse stage's KL target from the same pass: -> (output, fp32 (B, T, k)
+    every head's probability of each usable key summed, the usable keys (usable_keys: -1 where none))."""
+    keys = usable_keys(selection, doc)
+    if not target:
+        return SparseAttention.apply(q, k, v, keys, scale)
+    out, psum = SparseAttention.apply(q, k, v, keys, scale, True)
+    return out, psum, keys

@@ -204,6 +204,44 @@ def test_index_pass_kl_and_gradient_with_the_kernels_equal_the_torch_path(triton
         assert _rel(a, r) <= 1e-4, name
 
 
+@pytest.mark.parametrize("heads_split", [False, True], ids=["one_rank", "heads_over_two_ranks"])
+def test_the_sparse_kl_from_the_attention_s_own_pass_equals_index_pass_s(
+    triton_cpu, monkeypatch, heads_split
+):
+    """The sparse stage with the kernels: the attention forward's head-summed probabilities as the KL's
+    target (dsa.sparse_kl) against index_pass recomputing it (the torch path): KL, counts and the indexer's
+    gradient; packed documents, a padded tail, top-k above the first rows' visible keys (repeats), blocks of
+    8 rows; heads split as tensor parallelism splits them (the target summed over both halves)."""
+    g = torch.Generator().manual_seed(9)
+    b, t, heads, d, mh, topk = 2, 29, 2, 16, 4, 6
+    q, w = torch.randn(b, t, heads, d, generator=g), torch.randn(b, t, heads, generator=g)
+    k = torch.randn(b, t, d, generator=g)
+    qm, km, vm = (torch.randn(b, t, mh, 12, generator=g) for _ in range(3))
+    doc = _docs(b, t, True)
+    real = torch.ones(b, t, dtype=torch.bool)
+    real[1, -4:] = False
+    monkeypatch.setattr(dsa, "SCORE_ELEMENTS", b * mh * t * 8)
+    first = index_pass(q, k, w, topk, doc, scores=True)
+    parts = [slice(0, 2), slice(2, mh)] if heads_split else [slice(0, mh)]
+    targets = []
+    for h in parts:
+        out, p, keys = triton_cpu.sparse_attend(qm[:, :, h], km[:, :, h], vm[:, :, h], 0.3, first.selection,
+                                                 doc, target=True)  # fmt: skip
+        assert _rel(out, _oracle(qm[:, :, h], km[:, :, h], vm[:, :, h], 0.3, doc, first.selection)) <= 1e-5
+        targets.append(p)
+    fast = dsa.sparse_kl(q, k, w, first, keys, sum(targets), real, grads=True)
+    monkeypatch.setattr(kernels, "KERNEL_POLICY", "auto")
+    ref = index_pass(q, k, w, topk, doc, Target(qm, km, 0.3, True, real=real), grads=True)
+    # the same keys (the first rows' padding may differ among keys they cannot see: blocks of other sizes)
+    same = triton_cpu.usable_keys(ref.selection, doc).sort(dim=-1).values
+    assert torch.equal(keys.sort(dim=-1).values, same)
+    assert fast.stats[1] == ref.stats[1] == b * t - 4 and fast.stats[3] == ref.stats[3] == 0
+    assert abs(fast.stats[0] - ref.stats[0]) <= 1e-5 * ref.stats[0]
+    for name, a, r in zip("qkw", fast.grads, ref.grads):
+        assert _rel(a, r) <= 1e-4, name
+    assert dsa.sparse_kl(q, k, w, first, keys, sum(targets), real, grads=False).grads is None
+
+
 def test_v32_step_with_the_kernels_equals_the_default_path(triton_cpu, monkeypatch):
     """A tiny V3.2 (packed rows, sparse stage): loss, indexer figures and every gradient under the CUDA
     policy (Triton indexer, top-k, sparse attention) against the default CPU path."""
