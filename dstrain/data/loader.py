@@ -22,7 +22,8 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -137,28 +138,50 @@ def _row_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(np.concatenate([r[k] for r in rows])) for k in rows[0]}
 
 
+@dataclass(frozen=True)
+class _Streams:
+    """This rank's streams: which one serves a local row, and how to open one from its saved state."""
+
+    sources: list[Source]
+    opts: DataOptions
+    tok: Any
+    streams: int
+    seed: int
+    mine: list[int]
+
+    def of(self, row: int) -> int:
+        return self.mine[row % len(self.mine)]
+
+    def open(self, s: int, saved: dict) -> Stream:
+        stream = Stream(self.sources, self.opts, self.tok, 1, s, self.streams, self.seed, saved["stream"])
+        stream.skip_rows(saved["replay"])
+        return stream
+
+
 class _Workers(torch.utils.data.IterableDataset):
     """DataLoader worker i yields local rows first + i, first + i + W, ... (one row per item, so torch's
     round-robin over workers hands them out in row order); those rows come from the fixed subset of this
-    rank's streams that W divides out."""
+    rank's streams that W divides out. It holds what the workers need, not the Loader: a Loader whose
+    workers' dataset pointed back at it would be a reference cycle, freed by the garbage collector too late
+    (Loader.close)."""
 
     def __init__(self, loader: Loader):
-        self.loader = loader
+        self.layout, self.workers = loader._layout, loader._workers
         self.first = loader._rows_done
         self.states = {s: dict(st) for s, st in loader._states.items()}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        ld, n = self.loader, self.loader._workers
+        ld, n = self.layout, self.workers
         i = info.id if info else 0
         streams: dict[int, Stream] = {}
         since: dict[int, int] = {}
         try:
             row = self.first + i
             while True:
-                s = ld._stream_of(row)
+                s = ld.of(row)
                 if s not in streams:
-                    streams[s] = ld._open(s, self.states[s])
+                    streams[s] = ld.open(s, self.states[s])
                     since[s] = 0
                 stream = streams[s]
                 batch = stream.next_batch()
@@ -220,17 +243,10 @@ class Loader:
             )
         self.streams = n
         self._mine = list(range(self.dp_rank, n, self.dp_world))
+        self._layout = _Streams(self._sources, self.opts, self._tok, n, self.seed, self._mine)
         self._states: dict[int, dict] = {s: {"stream": None, "replay": 0} for s in self._mine}
         self._stats: dict[int, dict] = {s: {} for s in self._mine}
         self._epochs: dict[int, int] = dict.fromkeys(self._mine, 0)
-
-    def _stream_of(self, row: int) -> int:
-        return self._mine[row % len(self._mine)]
-
-    def _open(self, s: int, saved: dict) -> Stream:
-        stream = Stream(self._sources, self.opts, self._tok, 1, s, self.streams, self.seed, saved["stream"])
-        stream.skip_rows(saved["replay"])
-        return stream
 
     @property
     def sft(self) -> bool:
@@ -244,11 +260,11 @@ class Loader:
         return _row_tensors(rows)
 
     def _next_row(self) -> dict:
-        s = self._stream_of(self._rows_done)
+        s = self._layout.of(self._rows_done)
         row = None if self._in_process else self._row_from_workers(s)
         if row is None:
             if s not in self._live:
-                self._live[s] = self._open(s, self._states[s])
+                self._live[s] = self._layout.open(s, self._states[s])
             stream = self._live[s]
             row = stream.next_batch()
             self._stats[s], self._epochs[s] = stream.stats, stream.epoch
@@ -348,7 +364,10 @@ class Loader:
             self._epochs[s] = min((r["epoch"] for r in stream.get("readers", [])), default=0)
 
     def close(self) -> None:
-        """Stop the worker processes (a later `next()` restarts them from the current state)."""
+        """Stop the worker processes (a later `next()` restarts them from the current state). Whoever is done
+        with a loader calls it: a loader the garbage collector finds in a reference cycle has its workers'
+        queues closed by multiprocessing's finalizers before torch's iterator can tell the workers to stop, and
+        torch then waits 5 s (MP_STATUS_CHECK_INTERVAL) per worker before killing it."""
         for s, stream in self._live.items():
             self._states[s] = {"stream": stream.state_dict(), "replay": 0}
         self._live = {}

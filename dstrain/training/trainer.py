@@ -511,6 +511,8 @@ class Trainer:
             if run.profiler is not None:  # the run ended inside the window: keep what was recorded
                 run.profiler.finish(self.output_dir, self.info.rank, run.profile_window)
             run.close()
+            # the data workers stopped now, not by the garbage collector (Loader.close says why)
+            getattr(self.loader, "close", lambda: None)()
         if self.opts.logging.plots and self.info.is_main:
             self._plots(run.display)
         return {

@@ -84,3 +84,24 @@ def test_dataloader_workers_read_disjoint_records(tmp_path, tok):
             ids.append(re.match(r"doc(\d+):", tok.decode(row.tolist())).group(1))
     loader.close()
     assert sorted(ids, key=int) == [str(i) for i in range(16)]
+
+
+def test_a_loader_dropped_unclosed_stops_its_workers_at_once(tmp_path, tok):
+    """Nothing keeps a dropped loader in a reference cycle: its workers stop when the last reference goes, not
+    at some later garbage collection, whose finalizers would close their queues first and leave torch waiting
+    5 s per worker (measured before: 10.3 s in the next gc.collect() for 2 workers)."""
+    import gc
+    import os
+    import time
+
+    path = write_jsonl(tmp_path / "d.jsonl", text_rows(16))
+    loader = build_loader(DataOptions(data=path, seq_len=128, num_workers=2), tok, 2)
+    next(loader)
+    pids = [w.pid for w in loader._it._workers]
+    del loader
+    start = time.perf_counter()
+    gc.collect()
+    assert time.perf_counter() - start < 2.0
+    for pid in pids:  # reaped by torch's shutdown: no such process any more
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
