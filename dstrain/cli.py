@@ -4,7 +4,7 @@
   `dstrain: error: ...` on stderr and the error's exit code, never a traceback unless `--debug` is given
   (on the command line or, for `dstrain train`, in a recipe: it is read from the parsed options);
 - an error every rank of a multi-rank job raises alike is printed once (rank 0), one that a single rank hit
-  names that rank;
+  names that rank (the other ranks give rank 0 the time to print: `REPORT_GRACE_S`);
 - anything else is a bug and keeps its traceback.
 
 Each subcommand's module has `parse(argv)` and `run(args) -> int`; they are imported lazily so that
@@ -15,12 +15,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from dstrain import dist
 from dstrain.errors import UserError
+
+# A launcher (deepspeed, torchrun) ends the whole job once any rank exits with an error: a rank other than 0
+# that exited at once could take rank 0 down before it printed the line it alone prints (seen under load: the
+# job failed with no message). Those ranks wait this long instead (the launcher ends them when rank 0 exits),
+# then print the line themselves, naming their rank (rank 0 never got there, or the launcher lets ranks run on).
+REPORT_GRACE_S = 10.0
 
 # name -> (module with `parse(argv)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -57,7 +64,11 @@ def invoke(parse: Callable[[list[str]], Any], run: Callable[[Any], int | None], 
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        line = error_line(exc, dist.env_rank(), everywhere=not parsed or exc.all_ranks)
+        rank, everywhere = dist.env_rank(), not parsed or exc.all_ranks
+        line = error_line(exc, rank, everywhere)
+        if line is None and str(exc) and dist.launcher_world_size() > 1:
+            time.sleep(REPORT_GRACE_S)
+            line = f"dstrain: error (rank {rank}): {exc}"
         if line:
             print(line, file=sys.stderr, flush=True)
         return exc.exit_code

@@ -64,3 +64,28 @@ def test_debug_from_a_recipe_is_read_from_the_parsed_options(tmp_path, capsys):
     recipe.write_text('config = "no_such_config"\n[logging]\ndebug = true\n')
     assert main(["train", "--recipe", str(recipe)]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_the_other_ranks_leave_an_error_all_raise_to_rank_0(monkeypatch, capsys):
+    """Under a launcher, a rank other than 0 that raised the error every rank raises prints nothing at once: it
+    waits (the launcher ends it once rank 0 has printed and exited; exiting first, it could take rank 0 down
+    unprinted), then, still running, prints the line itself with its rank."""
+    import dstrain.cli as cli
+    from dstrain.errors import ConfigError
+
+    def fail(args):  # noqa: ANN001, ANN202
+        exc = ConfigError("train_batch_size=4 is not a multiple of 8")
+        exc.all_ranks = True  # as `dstrain train` marks every error of its plan
+        raise exc
+
+    waited = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert cli.invoke(lambda argv: argv, fail, []) == ConfigError.exit_code
+    assert waited == [cli.REPORT_GRACE_S]
+    assert capsys.readouterr().err == "dstrain: error (rank 1): train_batch_size=4 is not a multiple of 8\n"
+    monkeypatch.setenv("RANK", "0")
+    assert cli.invoke(lambda argv: argv, fail, []) == ConfigError.exit_code
+    assert waited == [cli.REPORT_GRACE_S]  # rank 0 prints at once
+    assert capsys.readouterr().err == "dstrain: error: train_batch_size=4 is not a multiple of 8\n"
