@@ -56,6 +56,18 @@ def _gather(base, idx, ok, heads, hmask, stride_t, stride_h, dims, DP: tl.conste
 
 
 @triton.jit
+def _chosen(K, KEYS, bt, j0, NSEL, q, heads, hmask, stride_t, stride_h, D, scale, BK: tl.constexpr,
+            DP: tl.constexpr):  # fmt: skip
+    """Keys j0 : j0 + BK of query `bt`'s chosen ones: (their positions j, indices, which are usable, their
+    (heads, BK, DP) fp32 rows, the scaled scores q . k (heads, BK))."""
+    j = j0 + tl.arange(0, BK)
+    idx = tl.load(KEYS + bt * NSEL + j, mask=j < NSEL, other=-1)
+    ok = idx >= 0
+    k = _gather(K, idx, ok, heads, hmask, stride_t, stride_h, D, DP)
+    return j, idx, ok, k, tl.sum(q[:, None, :] * k, axis=2) * scale
+
+
+@triton.jit
 def _sparse_fwd(
     Q, K, V, KEYS, OUT, LSE, PSUM,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -74,11 +86,10 @@ def _sparse_fwd(
     total = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, DVP), tl.float32)
     for j0 in range(0, NSEL, BK):
-        j = j0 + tl.arange(0, BK)
-        idx = tl.load(KEYS + bt * NSEL + j, mask=j < NSEL, other=-1)
-        ok = idx >= 0
-        k = _gather(K + b * sk_b, idx, ok, heads, hmask, sk_t, sk_h, D, DP)
-        s = tl.where(ok[None, :], tl.sum(q[:, None, :] * k, axis=2) * scale, float("-inf"))
+        _, idx, ok, _, s = _chosen(
+            K + b * sk_b, KEYS, bt, j0, NSEL, q, heads, hmask, sk_t, sk_h, D, scale, BK, DP
+        )
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: nothing to rescale
         alpha = tl.exp(m - m_safe)
@@ -95,11 +106,9 @@ def _sparse_fwd(
     tl.store(LSE + bt * H + heads, lse, mask=hmask)
     if TARGET:  # the head-summed probabilities of the chosen keys, with the final log-sum-exp
         for j0 in range(0, NSEL, BK):
-            j = j0 + tl.arange(0, BK)
-            idx = tl.load(KEYS + bt * NSEL + j, mask=j < NSEL, other=-1)
-            ok = idx >= 0
-            k = _gather(K + b * sk_b, idx, ok, heads, hmask, sk_t, sk_h, D, DP)
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale
+            j, _, ok, _, s = _chosen(
+                K + b * sk_b, KEYS, bt, j0, NSEL, q, heads, hmask, sk_t, sk_h, D, scale, BK, DP
+            )
             p = tl.where(ok[None, :] & hmask[:, None], tl.exp(s - lse[:, None]), 0.0)
             tl.atomic_add(PSUM + bt * NSEL + j, tl.sum(p, axis=0), mask=j < NSEL)
 
@@ -125,12 +134,10 @@ def _sparse_dq(
     delta = tl.load(DELTA + bt * H + heads, mask=hmask, other=0.0)
     dq = tl.zeros((BH, DP), tl.float32)
     for j0 in range(0, NSEL, BK):
-        j = j0 + tl.arange(0, BK)
-        idx = tl.load(KEYS + bt * NSEL + j, mask=j < NSEL, other=-1)
-        ok = idx >= 0
-        k = _gather(K + b * sk_b, idx, ok, heads, hmask, sk_t, sk_h, D, DP)
+        _, idx, ok, k, s = _chosen(
+            K + b * sk_b, KEYS, bt, j0, NSEL, q, heads, hmask, sk_t, sk_h, D, scale, BK, DP
+        )
         v = _gather(V + b * sv_b, idx, ok, heads, hmask, sv_t, sv_h, DVD, DVP)
-        s = tl.sum(q[:, None, :] * k, axis=2) * scale
         p = tl.where(ok[None, :] & hmask[:, None], tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.sum(do[:, None, :] * v, axis=2) - delta[:, None]) * scale
         dq += tl.sum(ds[:, :, None] * k, axis=1)

@@ -252,9 +252,11 @@ def test_v32_step_with_the_kernels_equals_the_default_path(triton_cpu, monkeypat
     model.train().set_sparse_attention("sparse")
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
     pos = torch.cat([torch.arange(15), torch.arange(9)]).expand(2, -1)
-    calls = []
+    calls, same_pass = [], []
     real = triton_cpu.SparseAttention.apply
     monkeypatch.setattr(triton_cpu.SparseAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    kl = dsa.sparse_kl
+    monkeypatch.setattr(dsa, "sparse_kl", lambda *a: same_pass.append(1) or kl(*a))
     runs = []
     for policy in ("cuda", "auto"):
         monkeypatch.setattr(kernels, "KERNEL_POLICY", policy)
@@ -264,6 +266,7 @@ def test_v32_step_with_the_kernels_equals_the_default_path(triton_cpu, monkeypat
         runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (fast, fast_grads), (ref, ref_grads) = runs
     assert calls, "the sparse kernel ran"
+    assert same_pass, "the indexer's KL took its target from the kernel's pass"
     assert _rel(fast.loss, ref.loss) <= 1e-5
     assert _rel(fast.indexer_stats, ref.indexer_stats) <= 1e-5
     assert fast_grads.keys() == ref_grads.keys() and any(".indexer." in n for n in ref_grads)
