@@ -6,6 +6,8 @@ sparse-attention kernels it ran).
   python launch/bench_dsa.py                                  # CPU, fp32: T 2048, 8192, 16384; top-k 1024
   python launch/bench_dsa.py --lengths 8192 --rounds 2 --indexer random
   python launch/bench_dsa.py --device cuda                    # bf16: T 4K to 64K; top-k 2048; local indexer
+  python launch/bench_dsa.py --device cuda --check            # the Triton kernels against the torch path
+  python launch/bench_dsa.py --device cuda --lengths 16384 --profile /tmp/dsa   # + a trace of each config's step
 
 A step is forward + backward of one row (no optimizer), the LM loss and, with sparse attention, the indexer's
 KL (its gradient injected, as in training). Two figures per length and configuration (JSON lines):
@@ -14,6 +16,13 @@ KL (its gradient injected, as in training). Two figures per length and configura
              torch.cuda's peak allocated during the step less what was allocated before it)
 Timing: the three configurations interleaved A B C C B A in one process, >= 2 rounds; quoted: the median time
 and the min / median of the per-round ratios to dense MLA.
+
+`--check`: before any timing, a V3.2 model's step (packed rows, each stage) with the sparse-attention kernels
+this device runs against the torch path they replace (Triton off: torch's indexer blocks, SDPA over a mask on
+a GPU), in fp32 and bf16: the loss, the indexer's KL and every gradient, as relative differences with their
+bounds (fp32: 1e-5 loss and KL, 1e-4 gradients; bf16: 2e-2 and 5e-2, each path's own rounding); exits 1 past
+one. On the CPU it needs DSTRAIN_KERNEL_POLICY=cuda TRITON_INTERPRET=1 and checks fp32 only (the interpreter's
+tl.dot of bf16 tiles is wrong: Triton 3.9).
 
 The indexer's weights decide which keys a block of 64 query rows chooses together, and with it the CPU
 kernel's cost (attention.py: a block runs against the union of its rows' keys): `--indexer random` is the
@@ -182,6 +191,58 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
     return tracker.peak_bytes
 
 
+def check_kernels(device: torch.device, dtypes: list[torch.dtype], t: int, topk: int) -> bool:
+    """The kernels' step against the torch path's (see the top): prints a JSON line per dtype and stage."""
+    from dstrain.model.common import kernels
+
+    runs_triton = kernels._triton_runs
+    ok = True
+    ids = torch.randint(0, 32768, (2, t), generator=torch.Generator().manual_seed(3)).to(device)
+    pos = torch.cat([torch.arange(t // 3), torch.arange(t - t // 3)]).expand(2, -1).to(device)  # 2 documents
+    for dtype in dtypes:
+        bound = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+        for stage in ("dense", "sparse"):
+            model = models(topk, "random", device, dtype)[f"DSA {stage} stage"]
+            got = []
+            for triton_on in (True, False):
+                kernels._triton_runs = runs_triton if triton_on else (lambda _: False)
+                try:
+                    model.zero_grad(set_to_none=True)
+                    out = model(ids, position_ids=pos, labels=ids)
+                    out.loss.backward()
+                    path = kernel_path(device, dtype)
+                finally:
+                    kernels._triton_runs = runs_triton
+                grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+                got.append((out.loss.detach().float(), out.indexer_stats.double(), grads, path))
+            (loss, stats, grads, path), (ref_loss, ref_stats, ref_grads, ref_path) = got
+
+            def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+                return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+            figures = {"loss": rel(loss, ref_loss), "indexer_stats": rel(stats, ref_stats),
+                       "worst_grad": max(rel(g, ref_grads[n]) for n, g in grads.items())}  # fmt: skip
+            passed = (figures["loss"] <= bound[0] and figures["indexer_stats"] <= bound[0]
+                      and figures["worst_grad"] <= bound[1] and grads.keys() == ref_grads.keys())  # fmt: skip
+            ok &= passed
+            print(json.dumps({"check": stage, "dtype": str(dtype).removeprefix("torch."), "seq_len": t, "topk": topk,
+                              **figures, "bounds": bound, "passed": passed, "kernels": path,
+                              "against": ref_path}), flush=True)  # fmt: skip
+    return ok
+
+
+def profile(step: Callable[[], None], out: Path) -> None:
+    """A chrome trace of one step after a warm-up (launch/gpu_report.py trace reads it)."""
+    step()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        step()
+        torch.cuda.synchronize()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -190,6 +251,12 @@ def main() -> None:
     p.add_argument("--topk", type=int, help="default: 1024 on the CPU, 2048 (V3.2's) on a GPU")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--indexer", choices=("random", "local", "both"), help="default: both; local on a GPU")
+    p.add_argument(
+        "--check", action="store_true", help="only the kernels against the torch path (see the top)"
+    )
+    p.add_argument(
+        "--profile", type=Path, help="a GPU: also a trace of each config's model step per length here"
+    )
     args = p.parse_args()
     gpu = args.device == "cuda"
     device = torch.device(args.device)
@@ -197,6 +264,11 @@ def main() -> None:
     lengths = args.lengths or ("4096,8192,16384,32768,65536" if gpu else "2048,8192,16384")
     topk = args.topk or (2048 if gpu else 1024)
     indexer_kinds = args.indexer or ("local" if gpu else "both")
+    if args.check:
+        small = (512, 128) if gpu else (48, 8)  # the interpreter runs a kernel program at a time
+        sys.exit(
+            0 if check_kernels(device, [torch.float32, *([torch.bfloat16] if gpu else [])], *small) else 1
+        )
     keep_freed_memory()
     torch.set_num_threads(torch.get_num_threads())
     path = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "threads": torch.get_num_threads(),
@@ -214,6 +286,8 @@ def main() -> None:
                        "tokens_per_s": t / step[name]["median_s"],
                        "step_peak_mib": peak_bytes(model_step(m, ids), device) / 2**20, **path}  # fmt: skip
                 print(json.dumps(row), flush=True)
+                if gpu and args.profile:
+                    profile(model_step(m, ids), args.profile / f"{t}_{name.replace(' ', '_')}.json")
             del ms
             if gpu:
                 torch.cuda.empty_cache()

@@ -2,8 +2,11 @@
 # dstrain on one GPU, one command, at most CAP seconds (480 by default): `dstrain env`, the smoke, the model
 # step against transformers (bench_model.py v2lite-4), real `deepspeed --num_gpus 1 dstrain/train.py` runs of
 # the V2-Lite-4 folder it writes (ZeRO-1 and ZeRO-3, eager and --compile: tokens/s and MFU) and the top kernels
-# of a profiled ZeRO-1 step. From the project root:
+# of a profiled ZeRO-1 step. `dsa`: DeepSeek Sparse Attention instead (bench_dsa.py: its Triton kernels against
+# the torch path in fp32 and bf16, then dense MLA, the dense and the sparse stage from 4K to 64K tokens, and the
+# top kernels of each one's 16K step). From the project root:
 #   bash launch/bench_gpu.sh                  # OUT=/tmp/bench_gpu: log.txt, each run's metrics.jsonl
+#   bash launch/bench_gpu.sh dsa              # OUT=/tmp/bench_gpu: log.txt, dsa/ traces
 # A part that would not fit the time left is skipped (said in the log). Unmeasured so far: written without a GPU.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled HF_HUB_OFFLINE=1
@@ -40,6 +43,15 @@ run_ds() {  # name, steps, seconds at most, dstrain train args...: stopped once 
   rm -rf "$dir"/checkpoints "$dir"/profile
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
+if [ "${1:-}" = dsa ]; then
+  part 120 "DSA kernels against the torch path" $PY launch/bench_dsa.py --device cuda --check
+  part 150 "DSA profiled at 16K" $PY launch/bench_dsa.py --device cuda --lengths 16384 --rounds 1 \
+    --profile "$OUT/dsa"
+  for f in "$OUT"/dsa/*.json; do [ -f "$f" ] && say "top kernels: $f" && $PY launch/gpu_report.py trace "$f" 12 | tee -a "$LOG"; done
+  part 240 "DSA stages, 4K to 64K" $PY launch/bench_dsa.py --device cuda
+  say "end ($(left) s left)"
+  exit 0
+fi
 part 60 "dstrain env" $PY -m dstrain env
 part 90 "smoke" $PY -m dstrain smoke --device cuda
 part 150 "model step against transformers" $PY launch/bench_model.py --device cuda --configs v2lite-4 \

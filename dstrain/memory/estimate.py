@@ -305,26 +305,28 @@ class _Shapes:
     def sparse_work(self) -> int:
         """The indexer's walk over blocks of query rows (dsa.index_pass) on whole rows (sequence parallelism
         gathers them). The torch path: fp32 scores of every head, their ReLU and gradient, the target's
-        per-head probabilities, float64 distributions of the block. A GPU's Triton path in the sparse stages
-        (dsa_kernels, index_kernels: Triton comes with torch's CUDA builds): no per-head scores, a block of
-        fp32 scores with their int64 ordered keys and masks; learning, the chosen keys' scores and the
-        attention's target (B, T, k) fp32 until the KL (float64 blocks) and its gradient's fp32 block. Both
-        grow with T, not T^2: the blocks hold SCORE_ELEMENTS scores at most."""
+        per-head probabilities, the KL's fp32 blocks. A GPU's Triton path (dsa_kernels, index_kernels: Triton
+        comes with torch's CUDA builds): no per-head scores, a block of fp32 scores with their int64 ordered
+        keys and masks; learning densely, the target's head-summed block and the KL's fp32 blocks; learning
+        sparsely, the chosen keys' scores and the attention's target (B, T, k) fp32 until the KL (fp32 blocks)
+        and its gradient's fp32 block. Both grow with T, not T^2: the blocks hold SCORE_ELEMENTS scores at most."""
         c, w = self.cfg, self.w
         if not c.sparse_attention:
             return 0
         t = w.seq_len
-        if not self.cpu and w.dsa_stage != "dense" and t > c.index_topk:
+        if not self.cpu and (w.dsa_stage == "dense" or t > c.index_topk):
             block = w.micro_batch * max(1, SCORE_ELEMENTS // (w.micro_batch * t)) * t
             out = block * (4 + 8 + 2)
-            if w.dsa_stage == "sparse":
+            if w.dsa_stage == "dense":  # target, log q, r, q expm1(r), the gradient's block
+                out += 5 * block * 4
+            elif w.dsa_stage == "sparse":
                 nk, rows = w.micro_batch * t * c.index_topk, block // t
-                out += nk * 8 + rows * c.index_topk * 8 * 4 + block * 4
+                out += nk * 8 + rows * c.index_topk * 4 * 4 + block * 4
             return out
         heads = max(c.index_n_heads, self.heads)
         rows = max(1, SCORE_ELEMENTS // (w.micro_batch * heads * t))
         block = w.micro_batch * min(rows, t) * t
-        return 3 * block * heads * 4 + 4 * block * 8
+        return 3 * block * heads * 4 + 4 * block * 4
 
     def swiglu(self, width: int) -> int:
         """gate, silu(gate), up and their product (the down projection's input)."""

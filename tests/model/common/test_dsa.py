@@ -138,6 +138,27 @@ def test_indexer_gradient_is_the_kl_gradient_in_float64(sparse):
         assert torch.allclose(a, r, atol=1e-10, rtol=1e-8)
 
 
+def test_the_kl_in_fp32_holds_float64_s_value_for_close_distributions():
+    """An indexer that has learned: target and index distributions close (KLs of 1e-6 to 1e-4 per query), some
+    keys off the support, probabilities that underflow fp32. dsa._kl in fp32 against the direct sum in float64:
+    per query within 5e-4, the batch's sum within 1e-5 (measured: 6.7e-5 and 2.1e-6; term by term in fp32,
+    5.6e-2 and 4.8e-5)."""
+    g = torch.Generator().manual_seed(0)
+    rows, t = 64, 2048
+    a = torch.randn(rows, t, generator=g, dtype=torch.float64) * 2
+    a[:, :4] = -120.0  # exp underflows in fp32
+    b = a + torch.randn(rows, t, generator=g, dtype=torch.float64) * torch.logspace(-3, -2, rows).unsqueeze(1)
+    support = torch.rand(rows, t, generator=g) < 0.7
+    support[:, :8] = True
+    logp, logq = (x.masked_fill(~support, float("-inf")).log_softmax(-1) for x in (a, b))
+    p = logp.exp()
+    want = torch.where(support, p * (logp - logq), 0.0).sum(-1)
+    got = dsa_module._kl(p.float(), logq.float(), support).double()
+    assert want.min() > 1e-7 and want.max() < 1e-3
+    assert ((got - want).abs() / want).max() <= 5e-4
+    assert abs(got.sum() - want.sum()) <= 1e-5 * want.sum()
+
+
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
 def test_one_layer_models_indexer_gradient_is_its_kl_gradient(stage, monkeypatch):
     """In the model: what reaches the indexer's parameters is exactly the gradient of its KL (times the

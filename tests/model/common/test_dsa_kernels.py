@@ -51,7 +51,8 @@ def triton_cpu(monkeypatch):
 
     names = ("SparseAttention", "sparse_attend", "sparse_forward", "usable_keys")
     return SimpleNamespace(**{n: getattr(dsa_kernels, n) for n in names}, index_scores=index_kernels.index_scores,
-                           index_score_grads=index_kernels.index_score_grads)  # fmt: skip
+                           index_score_grads=index_kernels.index_score_grads,
+                           head_probs=index_kernels.head_probs)  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -159,6 +160,27 @@ def test_index_scores_and_their_gradient_equal_the_torch_path(triton_cpu, packed
         )
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_the_dense_target_s_head_summed_probabilities_equal_the_torch_path(triton_cpu, packed):
+    """index_kernels.head_probs (the dense stage's KL target: each head's softmax over the keys a row may see,
+    summed over the heads) against dsa._target_block's torch path: blocks of rows at the start and later,
+    tiles cut mid-row, a head dim padded to the next power of two, MLA's key expanded over heads. fp32 only:
+    the interpreter's tl.dot of bf16 tiles is wrong (Triton 3.9: off by ~1e10 on a 16 x 16 product), so bf16
+    is a GPU's check (launch/bench_gpu.sh)."""
+    g = torch.Generator().manual_seed(11)
+    b, t, heads, d = 2, 37, 3, 24
+    q = torch.randn(b, t, heads, d, generator=g)
+    k = torch.randn(b, t, 1, d, generator=g).expand(-1, -1, heads, -1)
+    doc = _docs(b, t, packed)
+    for s, e in ((0, 17), (17, 37)):
+        valid = dsa._valid(s, e, doc, b, q.device).expand(b, e - s, e)
+        target = Target(q, k, 0.3, False)
+        want = dsa._target_block(target, s, e, valid, slice(0, e))
+        got = triton_cpu.head_probs(q, k, s, e, doc, 0.3)
+        assert torch.equal(got > 0, valid) and _rel(got / got.sum(-1, keepdim=True), want) <= 1e-5
+        assert torch.allclose(got.sum(-1), torch.full((b, e - s), float(heads)), atol=1e-5)
+
+
 def test_top_k_over_the_kernels_scores_keeps_the_tie_rule(triton_cpu):
     """Integer-valued inputs: every score exact in both paths, with many ties (zeros from the ReLU among them):
     the same keys, the later of equal scores winning (torch.topk over dsa._ordered's keys, exact)."""
@@ -180,8 +202,9 @@ def test_top_k_over_the_kernels_scores_keeps_the_tie_rule(triton_cpu):
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_index_pass_kl_and_gradient_with_the_kernels_equal_the_torch_path(triton_cpu, monkeypatch, sparse):
-    """The whole pass, blocks of 8 query rows: the selection, the KL (from the kernels' scores) against
-    torch's, the recall and the indexer's gradient; packed documents and a padded tail."""
+    """The whole pass, blocks of 8 query rows (24 for the dense stage's kernel target): the selection, the KL
+    (from the kernels' scores and, dense, target) against torch's, the recall and the indexer's gradient;
+    packed documents and a padded tail."""
     g = torch.Generator().manual_seed(7)
     b, t, heads, d = 2, 29, 2, 16
     q, w = torch.randn(b, t, heads, d, generator=g), torch.randn(b, t, heads, generator=g)
@@ -196,7 +219,10 @@ def test_index_pass_kl_and_gradient_with_the_kernels_equal_the_torch_path(triton
         monkeypatch.setattr(kernels, "KERNEL_POLICY", policy)
         results.append(index_pass(q, k, w, 5, doc, Target(qm, km, 0.3, sparse, real=real), grads=True))
     fast, ref = results
-    assert torch.equal(fast.selection, ref.selection)
+    # the same keys (the dense stage's kernel blocks are 24 rows, torch's 8: the padding of rows with fewer
+    # visible keys than top-k differs among the keys they cannot see)
+    usable = [triton_cpu.usable_keys(x.selection, doc).sort(dim=-1).values for x in results]
+    assert torch.equal(*usable)
     assert fast.stats[1] == ref.stats[1] and fast.stats[3] == ref.stats[3]
     assert abs(fast.stats[0] - ref.stats[0]) <= 1e-5 * ref.stats[0]
     assert abs(fast.stats[2] - ref.stats[2]) <= 1e-5 * max(ref.stats[2], 1.0)
