@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from dstrain import dist
+from dstrain import collector, dist
 from dstrain.errors import UserError
 
 # A launcher (deepspeed, torchrun) ends the whole job once any rank exits with an error: a rank other than 0
@@ -83,12 +83,19 @@ def error_line(exc: UserError, rank: int, everywhere: bool) -> str | None:
     return f"dstrain: error{where}: {exc}"
 
 
-def run_command(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+def run_command(name: str, argv: list[str], start: bool = False) -> int:
+    """Run a subcommand; `start`: the process's own command line, whose imports (with the modules the command
+    will import later, its PRELOAD, unless it is asked for --help) are frozen (dstrain/collector.py)."""
+    with collector.paused(freeze=start):
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        if start and not {"-h", "--help"} & set(argv):
+            for later in getattr(module, "PRELOAD", ()):
+                importlib.import_module(later)
     return invoke(module.parse, module.run, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="dstrain",
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_command(argv[0], argv[1:])
+    return run_command(argv[0], argv[1:], start)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 def main(argv: list[str] | None = None) -> int:
     from dstrain.cli import run_command
 
-    return run_command("train", list(sys.argv[1:] if argv is None else argv))
+    return run_command("train", list(sys.argv[1:] if argv is None else argv), start=argv is None)
 
 
 if __name__ == "__main__":

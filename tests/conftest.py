@@ -10,6 +10,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
 
+from dstrain import collector
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collecting imports torch, DeepSpeed and transformers: without the garbage collector, then frozen (see
+    dstrain/collector.py; the later full collections of a session walked them every time)."""
+    with collector.paused(freeze=True):
+        return (yield)
+
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, rank_pools) -> dict[str, Path]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+
+from tests.helpers.tiny import ROOT
 
 
 @pytest.mark.parametrize(
@@ -89,3 +94,24 @@ def test_the_other_ranks_leave_an_error_all_raise_to_rank_0(monkeypatch, capsys)
     assert cli.invoke(lambda argv: argv, fail, []) == ConfigError.exit_code
     assert waited == [cli.REPORT_GRACE_S]  # rank 0 prints at once
     assert capsys.readouterr().err == "dstrain: error: train_batch_size=4 is not a multiple of 8\n"
+
+
+def test_a_command_line_imports_without_the_collector_and_freezes_what_it_imported():
+    """A process's own command line (dstrain/collector.py): its imports with the collector paused and frozen
+    after, the run's later imports (PRELOAD) with them, except for --help; in-process calls (start=False, as
+    the tests and the Python API make them) never freeze."""
+    code = (
+        "import gc, sys\n"
+        "from dstrain import cli, collector\n"
+        "assert cli.run_command('plan', ['--help']) == 0 and gc.get_freeze_count() == 0\n"
+        "assert cli.run_command('train', ['--help'], start=True) == 0\n"
+        "assert gc.isenabled() and gc.get_freeze_count() > 0 and 'deepspeed' not in sys.modules\n"
+        "gc.unfreeze()\n"
+        "with collector.paused():\n"
+        "    with collector.paused(freeze=True):\n"  # nested: the outer block owns the collector
+        "        assert not gc.isenabled()\n"
+        "    assert not gc.isenabled()\n"
+        "assert gc.isenabled() and gc.get_freeze_count() == 0\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]

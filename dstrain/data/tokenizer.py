@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstrain import collector
 from dstrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ def _has_tokenizer(folder: str | None) -> bool:
 def load_tokenizer(tokenizer: str | None, model_path: str | None = None) -> PreTrainedTokenizerBase:
     """`tokenizer` (folder, tokenizer.json file, hub name or `deepseek-v3`), else the tokenizer saved in the
     `model_path` checkpoint folder, else the bundled DeepSeek-V3 tokenizer. Never runs remote code."""
-    # AutoTokenizer's import scans every model transformers ships (~0.6 s): the bundled tokenizer needs none
-    from transformers import PreTrainedTokenizerFast
+    with collector.paused():  # AutoTokenizer's import scans every model transformers ships (~0.6 s): not here
+        from transformers import PreTrainedTokenizerFast
 
     try:
         if tokenizer in (None, BUILTIN_TOKENIZER) and not _has_tokenizer(model_path):

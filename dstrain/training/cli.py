@@ -27,6 +27,11 @@ from .metrics import METRICS_FILE
 from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
 
+# Imported by a run, not at this module's import (`dstrain train --help` stays fast): a process's command line
+# imports them with its own, frozen (dstrain/collector.py). torch.optim imports torch._dynamo at the first
+# optimizer; the bundled tokenizer's class.
+PRELOAD = ("deepspeed", "torch._dynamo", "transformers.tokenization_utils_tokenizers")
+
 
 def quiet_libraries(debug: bool, rank: int) -> None:
     """DeepSpeed logs at INFO and torch warns about its own deprecations on every rank; users see dstrain's

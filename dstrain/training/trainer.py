@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from dstrain import dist
+from dstrain import collector, dist
 from dstrain.batch import host_to_device, sequence_halo, sequence_shard, to_device
 from dstrain.checkpoint import store
 from dstrain.checkpoint.reshard import optimizer_progress
@@ -92,7 +92,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        import deepspeed
+        with collector.paused():  # torch.optim imports torch._dynamo at the first optimizer
+            import deepspeed
+            import torch._dynamo  # noqa: F401
 
         opts = self.opts
         if self.loader is None:  # first: a data error surfaces before the model is built

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dstrain import collector
 from dstrain.dist import free_port
 from tests.helpers.tiny import ROOT
 
@@ -291,7 +292,9 @@ def serve() -> None:
         print(f"=== scenario {request['id']}: {request['fn']}{tuple(request['args'])!r}", flush=True)
         try:
             module, _, name = request["fn"].partition(":")
-            value = getattr(importlib.import_module(module), name)(info, *request["args"])
+            with collector.paused():  # a scenario module's first import brings the trainer's (collector.py)
+                fn = getattr(importlib.import_module(module), name)
+            value = fn(info, *request["args"])
             answer = {"ok": True, "value": json.loads(json.dumps(value))}  # JSON, or the scenario fails
         except BaseException:  # noqa: BLE001 - the test shows it; the pool is restarted
             answer = {"ok": False, "error": traceback.format_exc()}
