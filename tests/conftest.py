@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -19,6 +20,10 @@ def pytest_collection(session):
     dstrain/collector.py; the later full collections of a session walked them every time)."""
     with collector.paused(freeze=True):
         return (yield)
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # collection imported Triton, whose objects held at exit would be reported as leaks
 
 
 @pytest.fixture(scope="session")

@@ -28,9 +28,8 @@ from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
 
 # Imported by a run, not at this module's import (`dstrain train --help` stays fast): a process's command line
-# imports them with its own, frozen (dstrain/collector.py). torch.optim imports torch._dynamo at the first
-# optimizer; the bundled tokenizer's class.
-PRELOAD = ("deepspeed", "torch._dynamo", "transformers.tokenization_utils_tokenizers")
+# imports them with its own, frozen (dstrain/collector.py): DeepSpeed, the bundled tokenizer's class.
+PRELOAD = ("deepspeed", "transformers.tokenization_utils_tokenizers")
 
 
 def quiet_libraries(debug: bool, rank: int) -> None:

@@ -92,7 +92,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        with collector.paused():  # torch.optim imports torch._dynamo at the first optimizer
+        with (
+            collector.paused()
+        ):  # torch.optim imports torch._dynamo at the first optimizer (not frozen: Triton)
             import deepspeed
             import torch._dynamo  # noqa: F401
 
