@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import glob
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -82,10 +83,26 @@ OWN_PORT = "DSTRAIN_OWN_MASTER_PORT"  # set when dstrain chose MASTER_PORT itsel
 
 
 def free_port() -> int:
-    """A port nobody listens on now."""
+    """A port nobody listens on now, below the kernel's ephemeral range where there is room: outgoing connections
+    (gloo's, a launcher's) take ephemeral ports, and one of them can take a port picked from that range before
+    the store binds it (EADDRINUSE: the test suite saw it)."""
+    low = _ephemeral_low()
+    for _ in range(50 if low > 11024 else 0):
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", random.SystemRandom().randrange(low - 10000, low)))
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _fill_env() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 from dstrain import dist
@@ -57,3 +58,14 @@ print("shm op", comm.cdb.shm_comm_op)
     )
     assert proc.returncode == 0 and "world 1 True True" in proc.stdout, proc.stderr[-2000:]
     assert "shm op None" in proc.stdout and "shm_comm" not in proc.stdout, proc.stdout
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_bindable():
+    """Outgoing connections take ephemeral ports: a port picked there can be taken before the store binds it."""
+    low = dist._ephemeral_low()
+    ports = {dist.free_port() for _ in range(20)}
+    assert len(ports) > 10  # random, not a sequence that concurrent launches would share
+    for port in ports:
+        assert (low - 10000 <= port < low) if low > 11024 else port > 0
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dstrain.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -181,12 +182,6 @@ RUNNABLE = runnable_blocks()
 
 def test_the_docs_have_runnable_blocks():
     assert RUNNABLE, "no ```bash run block found in README.md or docs/*.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RUN_DIRS: dict[str, Path] = {}

@@ -92,9 +92,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        with (
-            collector.paused()
-        ):  # torch.optim imports torch._dynamo at the first optimizer (not frozen: Triton)
+        # torch.optim imports torch._dynamo at the first optimizer; not frozen (Triton: see collector.py)
+        with collector.paused():
             import deepspeed
             import torch._dynamo  # noqa: F401
 
