@@ -50,14 +50,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def invoke(parse: Callable[[list[str]], Any], run: Callable[[Any], int | None], argv: list[str]) -> int:
-    """Parse, then run, under the policy above; -> the exit code."""
+def invoke(
+    parse: Callable[[list[str]], Any],
+    run: Callable[[Any], int | None],
+    argv: list[str],
+    preload: tuple[str, ...] = (),
+) -> int:
+    """Parse, then run, under the policy above; -> the exit code. `preload`: modules the run will import, imported
+    once the arguments parsed (not for --help or a mistake) and frozen with the process's start (collector.py)."""
     debug = "--debug" in argv
     parsed = False
     try:
         args = parse(argv)
         parsed = True
         debug = bool(getattr(args, "debug", debug))
+        if preload:
+            with collector.paused(freeze=True):
+                for name in preload:
+                    importlib.import_module(name)
         return int(run(args) or 0)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
@@ -85,13 +95,10 @@ def error_line(exc: UserError, rank: int, everywhere: bool) -> str | None:
 
 def run_command(name: str, argv: list[str], start: bool = False) -> int:
     """Run a subcommand; `start`: the process's own command line, whose imports (with the modules the command
-    will import later, its PRELOAD, unless it is asked for --help) are frozen (dstrain/collector.py)."""
+    will import later, its PRELOAD) are frozen (dstrain/collector.py)."""
     with collector.paused(freeze=start):
         module = importlib.import_module(SUBCOMMANDS[name][0])
-        if start and not {"-h", "--help"} & set(argv):
-            for later in getattr(module, "PRELOAD", ()):
-                importlib.import_module(later)
-    return invoke(module.parse, module.run, argv)
+    return invoke(module.parse, module.run, argv, getattr(module, "PRELOAD", ()) if start else ())
 
 
 def main(argv: list[str] | None = None) -> int:

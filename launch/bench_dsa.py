@@ -201,8 +201,9 @@ def check_kernels(device: torch.device, dtypes: list[torch.dtype], t: int, topk:
     pos = torch.cat([torch.arange(t // 3), torch.arange(t - t // 3)]).expand(2, -1).to(device)  # 2 documents
     for dtype in dtypes:
         bound = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+        built = models(topk, "random", device, dtype)
         for stage in ("dense", "sparse"):
-            model = models(topk, "random", device, dtype)[f"DSA {stage} stage"]
+            model = built[f"DSA {stage} stage"]
             got = []
             for triton_on in (True, False):
                 kernels._triton_runs = runs_triton if triton_on else (lambda _: False)

@@ -27,8 +27,9 @@ from .metrics import METRICS_FILE
 from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
 
-# Imported by a run, not at this module's import (`dstrain train --help` stays fast): a process's command line
-# imports them with its own, frozen (dstrain/collector.py): DeepSpeed, the bundled tokenizer's class.
+# Imported by a run, not at this module's import (`dstrain train --help` and a flag's mistake stay fast): a
+# process's command line imports them once its arguments parsed, frozen (dstrain/collector.py): DeepSpeed, the
+# bundled tokenizer's class.
 PRELOAD = ("deepspeed", "transformers.tokenization_utils_tokenizers")
 
 

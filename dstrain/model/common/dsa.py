@@ -31,7 +31,7 @@ non-deterministic top-k degraded training).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -127,6 +127,10 @@ def index_pass(
     # where it restricts each head's softmax to a selection (or the kernels do not run)
     main_heads = target.q.shape[2] if target is not None and (target.sparse or not kernels) else 0
     rows = max(1, SCORE_ELEMENTS // (b * max(1 if kernels else heads, main_heads) * t))
+    if kernels and target is not None and not target.sparse:  # head_probs reads rows with a unit last stride
+        from .dsa_kernels import last_dim_contiguous
+
+        target = replace(target, q=last_dim_contiguous(target.q), k=last_dim_contiguous(target.k))
     for s in range(0, t, rows):
         e = min(s + rows, t)
         c = e - s
@@ -295,9 +299,8 @@ def _target_block(
     s:e over the support (of the keys `cols`), summed over every head (the group's too) and L1-normalised.
     With `kernels` (index_kernels) the dense stage's (every key `doc` lets it see) in two launches, nothing
     per head kept."""
-    if kernels is not None and not target.sparse:
-        qm, km = (x if x.stride(-1) == 1 else x.contiguous() for x in (target.q, target.k))
-        p = kernels.head_probs(qm, km, s, e, doc, target.scale)
+    if kernels is not None and not target.sparse:  # q, k with a unit last stride (index_pass)
+        p = kernels.head_probs(target.q, target.k, s, e, doc, target.scale)
     else:
         work = torch.float64 if target.q.dtype == torch.float64 else torch.float32
         qm = target.q[:, s:e].to(work).transpose(1, 2)  # (B, H, c, d)

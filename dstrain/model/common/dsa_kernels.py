@@ -270,7 +270,7 @@ def sparse_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -279,7 +279,7 @@ class SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keys, scale, target=False):  # noqa: ANN001, ANN205
-        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         out, lse, psum = sparse_forward(q, k, v, keys, scale, target)
         ctx.save_for_backward(q, k, v, out, lse, keys)
         ctx.scale = scale

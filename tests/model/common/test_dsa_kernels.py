@@ -214,11 +214,16 @@ def test_index_pass_kl_and_gradient_with_the_kernels_equal_the_torch_path(triton
     real = torch.ones(b, t, dtype=torch.bool)
     real[1, -4:] = False
     monkeypatch.setattr(dsa, "SCORE_ELEMENTS", b * 3 * t * 8)
+    from dstrain.model.common import index_kernels
+
+    calls, head_probs = [], index_kernels.head_probs
+    monkeypatch.setattr(index_kernels, "head_probs", lambda *a: calls.append(1) or head_probs(*a))
     results = []
     for policy in ("cuda", "auto"):
         monkeypatch.setattr(kernels, "KERNEL_POLICY", policy)
         results.append(index_pass(q, k, w, 5, doc, Target(qm, km, 0.3, sparse, real=real), grads=True))
     fast, ref = results
+    assert bool(calls) == (not sparse)  # the dense stage's target from the kernel (the sparse one: torch's)
     # the same keys (the dense stage's kernel blocks are 24 rows, torch's 8: the padding of rows with fewer
     # visible keys than top-k differs among the keys they cannot see)
     usable = [triton_cpu.usable_keys(x.selection, doc).sort(dim=-1).values for x in results]
