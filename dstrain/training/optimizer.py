@@ -3,6 +3,8 @@ with AdamW beside it (dstrain.optim) as a client optimizer, classified on the mo
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,11 +74,50 @@ def check_resume(path: Path, optimizer: str) -> None:
         )
 
 
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_deepspeed_muon() -> None:
+    """Import DeepSpeed's Muon module with its `@torch.compile` decorators deferred to each function's first call.
+
+    DeepSpeed's ZeRO and bf16 optimizers import that module to test the optimizer's type, whatever it is, and
+    its decorators import Inductor at import: 2.1 s of every engine's process start (half a tiny run's set-up
+    on a CPU) for functions that run only with DeepSpeed's own Muon, which dstrain never hands it (its Muon is
+    dstrain/optim/muon.py). Deferred, they compile on their first call as before."""
+    if DEEPSPEED_MUON in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+
+    def deferred():  # noqa: ANN202 - the decorator compiler.compile() returns
+        def decorate(fn):  # noqa: ANN001, ANN202
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = deferred
+    try:
+        __import__(DEEPSPEED_MUON)
+    finally:
+        compiler.compile = eager
+
+
 def initialize(choice: Choice, module: nn.Module, **kwargs: Any) -> Any:
     """deepspeed.initialize with the optimizer `choice` (`kwargs`: its other arguments) -> the engine, with
     Muon bound to where each parameter's slices live under the engine's ZeRO / bf16 optimizer."""
     import deepspeed
 
+    import_deepspeed_muon()
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=choice.model_parameters,
