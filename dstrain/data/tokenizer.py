@@ -8,13 +8,12 @@ stays text) and EOS appended to every document (BOS prepended with `add_bos`).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import logging
 import os
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -132,22 +131,9 @@ def special_ids(tok) -> tuple[int, int]:
     return int(eos), int(eos if pad is None else pad)
 
 
-_LITERAL: dict[int, tuple[Any, Any]] = {}  # id(tok) -> (tok, its backend reading special tokens as text)
-
-
-def _literal_backend(tok) -> Any:  # noqa: ANN001
-    """A private copy of `tok`'s Rust tokenizer that encodes special-token strings as text (raw web text that
-    happens to contain "<｜end▁of▁sentence｜>" must not become EOS), one per tokenizer and process: copying a
-    128K-token vocabulary takes 0.4 s, and every stream of a run would otherwise copy it again."""
-    if id(tok) not in _LITERAL:
-        backend = copy.deepcopy(tok.backend_tokenizer)
-        backend.encode_special_tokens = True
-        _LITERAL[id(tok)] = (tok, backend)  # the tokenizer kept alive: its id stays its own
-    return _LITERAL[id(tok)][1]
-
-
 class PretrainEncoder:
-    """Batched text -> token ids (+ EOS, optional BOS). Special-token strings inside the text stay text."""
+    """Batched text -> token ids (+ EOS, optional BOS). Special-token strings inside the text stay text (raw
+    web text that happens to contain "<｜end▁of▁sentence｜>" must not become EOS)."""
 
     def __init__(self, tok, add_bos: bool = False):
         self.eos, _ = special_ids(tok)
@@ -155,11 +141,19 @@ class PretrainEncoder:
         if add_bos and bos is None:
             raise DataError("tokenizer: add_bos is set but the tokenizer has no BOS token")
         self.prefix = [int(bos)] if add_bos else []
-        self.backend = _literal_backend(tok)
+        self.backend = tok.backend_tokenizer
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         prefix, eos = self.prefix, (self.eos,)
-        id_lists = [enc.ids for enc in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        # The tokenizer's own Rust tokenizer, reading special tokens as text for this call only: a copy of it
+        # (a 128K-token vocabulary) took 0.6 s per tokenizer and process. A process tokenizes in one thread.
+        backend, literal = self.backend, self.backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        finally:
+            backend.encode_special_tokens = literal
+        id_lists = [enc.ids for enc in encodings]
         n = [len(prefix) + len(ids) + 1 for ids in id_lists]
         flat = np.fromiter(chain.from_iterable(chain(prefix, ids, eos) for ids in id_lists), np.int32, sum(n))
         bounds = np.cumsum(n).tolist()
