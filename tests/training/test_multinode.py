@@ -1,7 +1,7 @@
 """Two nodes of one process each on this machine (two `torchrun --nnodes 2 --node_rank K` meeting at
-127.0.0.1) against one node of two processes: the same losses, the same files in the shared output folder,
-each file written by one rank only (node 1's local rank 0 is global rank 1 and must not write rank 0's
-files), and data-parallel ranks reading disjoint shares of the data."""
+127.0.0.1) against one node of two processes (the command's run on the session's pool of 2 ranks): the same
+losses, the same files in the output folder, each file written by one rank only (node 1's local rank 0 is
+global rank 1 and must not write rank 0's files), and data-parallel ranks reading disjoint shares of the data."""
 
 from __future__ import annotations
 
@@ -57,18 +57,14 @@ def _written(logs: Path, rank: int, out: Path) -> set[str]:
     }
 
 
-def _run(tmp: Path, nnodes: int) -> tuple[Path, Path]:
-    out, logs = tmp / f"nodes{nnodes}", tmp / f"writes{nnodes}"
+def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path, rank_pools):
+    one = tmp_path / "nodes1"
+    assert rank_pools.run(2, "tests.training.worker:cli_run", [*ARGS, "--output_dir", str(one)]) == [0, 0]
+    two, two_logs = tmp_path / "nodes2", tmp_path / "writes2"
     port = free_port()
-    procs = [_torchrun(nnodes, k, 2 // nnodes, port, out, logs) for k in range(nnodes)]
+    procs = [_torchrun(2, k, 1, port, two, two_logs) for k in range(2)]
     texts = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * nnodes, "\n".join(t[-2000:] for t in texts)
-    return out, logs
-
-
-def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path):
-    one, one_logs = _run(tmp_path, 1)
-    two, two_logs = _run(tmp_path, 2)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(t[-2000:] for t in texts)
     losses = [
         [json.loads(line)["loss"] for line in (o / "metrics.jsonl").read_text().splitlines()]
         for o in (one, two)
