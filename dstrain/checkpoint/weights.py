@@ -135,6 +135,35 @@ class _Folder:
         )
 
 
+# fp32 elements that one batched gather assembles (128 MiB); a larger tensor goes alone
+BUCKET_ELEMENTS = 2**25
+
+
+def _batched(tensor: torch.Tensor) -> bool:
+    """A parameter whose fp32 values DeepSpeed's ZeRO-1/2 or bf16 optimizer holds in fragments over its
+    data-parallel group (`_hp_mapping`, set on every rank, None where the rank holds none of it)."""
+    return (
+        isinstance(tensor, nn.Parameter) and hasattr(tensor, "_hp_mapping") and not hasattr(tensor, "ds_id")
+    )
+
+
+def _gather_fragments(requests: list[tuple[torch.Tensor, str | None]]) -> list[torch.Tensor]:
+    """The full fp32 master weight (key None) or optimizer state `key` of each (parameter, key), all of one
+    data-parallel group: what DeepSpeed's get_full_hp_param gives for one, with one all_reduce for them all
+    (each rank's fragments in a zero buffer; every element has one owner, so the sum is exact) instead of one
+    per tensor and state, which made a small model's save a few hundred collectives."""
+    sizes = [param.numel() for param, _ in requests]
+    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=requests[0][0].device)
+    views = buffer.split(sizes)
+    for (param, key), view in zip(requests, views):
+        mapping = param._hp_mapping
+        if mapping is not None:
+            at = mapping.lp_fragment_address
+            view.narrow(0, at.start, at.numel).copy_(mapping.get_hp_fragment(key).data)
+    tdist.all_reduce(buffer, group=requests[0][0]._dp_group)
+    return [view.view(param.shape) for (param, _), view in zip(requests, views)]
+
+
 def save_weights(
     model: nn.Module,
     path: Path,
@@ -145,7 +174,9 @@ def save_weights(
     max_shard_bytes: int = 2**31,
 ) -> None:
     """Collective: every rank calls it, with the same parameter order within each data-parallel group.
-    `optimizer` (DeepSpeed's, once it has stepped): also write the moments of the trained parameters."""
+    `optimizer` (DeepSpeed's, once it has stepped): also write the moments of the trained parameters. The
+    fragments of consecutive ZeRO-1/2 parameters of one group are assembled together (`_gather_fragments`,
+    buckets cut at the same tensors on every member: they hold the same parameters)."""
     path = Path(path)
     writers = _Writers(groups, rank, tdist.get_world_size() if tdist.is_initialized() else 1)
     weights = _Folder(path / WEIGHTS_DIR, rank, max_shard_bytes)
@@ -153,24 +184,55 @@ def save_weights(
     base = getattr(optimizer, "optimizer", optimizer)  # torch's AdamW under DeepSpeed's wrapper
     if optimizer is not None:
         link_moments(optimizer)
+
+    def keys_of(tensor: torch.Tensor) -> tuple[str, ...]:
+        trained = isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        return tuple(state_keys(tensor)) if trained and optimizer is not None else ()
+
+    def add(name: str, tensor: torch.Tensor, value: torch.Tensor, held: dict[str, torch.Tensor]) -> None:
+        for key, moment in held.items():
+            if key not in moments:
+                moments[key] = _Folder(path / moments_dir(key), rank, max_shard_bytes)
+            moments[key].add(name, moment, shard_of(tensor))
+        weights.add(name, value, shard_of(tensor))
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    bucket_elements = 0
+
+    def flush() -> None:
+        nonlocal bucket_elements
+        requests = [(t, key) for _, t in bucket for key in (None, *keys_of(t))]
+        values = iter(_gather_fragments(requests) if requests else ())
+        for name, tensor in bucket:
+            full = {key: next(values) for key in (None, *keys_of(tensor))}
+            if writers.writes(tensor):
+                host = {key: v.float().cpu() for key, v in full.items()}
+                add(name, tensor, host.pop(None), host)
+        bucket.clear()
+        bucket_elements = 0
+
     for name, tensor in local_tensors(model, adapters=True):
         if tensor.device.type == "meta":  # another pipeline stage's layer
             continue
+        if _batched(tensor):
+            size = tensor.numel() * (1 + len(keys_of(tensor)))
+            if bucket and (
+                bucket[0][1]._dp_group is not tensor._dp_group or bucket_elements + size > BUCKET_ELEMENTS
+            ):
+                flush()
+            bucket.append((name, tensor))
+            bucket_elements += size
+            continue
+        flush()  # in order: writers.writes sees the tensors as every rank walks them
         writes = writers.writes(tensor)
-        if isinstance(tensor, nn.Parameter):
+        if isinstance(tensor, nn.Parameter):  # ZeRO-3 (a collective on every rank), no ZeRO, or frozen
             value = _full_fp32(tensor, keep=writes)
+            held = {key: _full_fp32(tensor, writes, base, key) for key in keys_of(tensor)}
         else:
-            value = tensor.detach().float().cpu() if writes else None
-        trained = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-        for key in state_keys(tensor) if trained and optimizer is not None else ():
-            if key not in moments:
-                moments[key] = _Folder(path / moments_dir(key), rank, max_shard_bytes)
-            folder = moments[key]
-            moment = _full_fp32(tensor, writes, base, key)
-            if writes:
-                folder.add(name, moment, shard_of(tensor))
+            value, held = (tensor.detach().float().cpu() if writes else None), {}
         if writes:
-            weights.add(name, value, shard_of(tensor))
+            add(name, tensor, value, held)
+    flush()
     for folder in (weights, *moments.values()):
         folder.close()
 
