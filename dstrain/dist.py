@@ -86,10 +86,10 @@ def free_port() -> int:
     """A port nobody listens on now, below the kernel's ephemeral range where there is room: outgoing connections
     (gloo's, a launcher's) take ephemeral ports, and one of them can take a port picked from that range before
     the store binds it (EADDRINUSE: the test suite saw it)."""
-    low = _ephemeral_low()
+    low, rng = _ephemeral_low(), random.SystemRandom()
     for _ in range(50 if low > 11024 else 0):
         with contextlib.suppress(OSError), socket.socket() as s:
-            s.bind(("127.0.0.1", random.SystemRandom().randrange(low - 10000, low)))
+            s.bind(("127.0.0.1", rng.randrange(low - 10000, low)))
             return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

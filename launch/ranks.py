@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 
-
-def free_port() -> int:
-    """A port nobody listens on now: parallel launches would collide on torchrun's default 29500."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from dstrain.dist import free_port  # below the ephemeral range: an outgoing connection cannot take it first
 
 
 def torchrun(nproc: int, script: str, *args: str, port: int | None = None) -> list[str]:

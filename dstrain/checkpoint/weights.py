@@ -196,32 +196,29 @@ def save_weights(
             moments[key].add(name, moment, shard_of(tensor))
         weights.add(name, value, shard_of(tensor))
 
-    bucket: list[tuple[str, torch.Tensor]] = []
-    bucket_elements = 0
+    bucket: list[tuple[str, torch.Tensor, tuple[str, ...]]] = []  # (name, parameter, its state keys)
 
     def flush() -> None:
-        nonlocal bucket_elements
-        requests = [(t, key) for _, t in bucket for key in (None, *keys_of(t))]
+        requests = [(t, key) for _, t, keys in bucket for key in (None, *keys)]
         values = iter(_gather_fragments(requests) if requests else ())
-        for name, tensor in bucket:
-            full = {key: next(values) for key in (None, *keys_of(tensor))}
+        for name, tensor, keys in bucket:
+            value, held = next(values), {key: next(values) for key in keys}
             if writers.writes(tensor):
-                host = {key: v.float().cpu() for key, v in full.items()}
-                add(name, tensor, host.pop(None), host)
+                add(name, tensor, value.cpu(), {key: v.cpu() for key, v in held.items()})
         bucket.clear()
-        bucket_elements = 0
 
     for name, tensor in local_tensors(model, adapters=True):
         if tensor.device.type == "meta":  # another pipeline stage's layer
             continue
         if _batched(tensor):
-            size = tensor.numel() * (1 + len(keys_of(tensor)))
+            keys = keys_of(tensor)
+            elements = sum(t.numel() * (1 + len(k)) for _, t, k in bucket)
             if bucket and (
-                bucket[0][1]._dp_group is not tensor._dp_group or bucket_elements + size > BUCKET_ELEMENTS
+                bucket[0][1]._dp_group is not tensor._dp_group
+                or elements + tensor.numel() * (1 + len(keys)) > BUCKET_ELEMENTS
             ):
                 flush()
-            bucket.append((name, tensor))
-            bucket_elements += size
+            bucket.append((name, tensor, keys))
             continue
         flush()  # in order: writers.writes sees the tensors as every rank walks them
         writes = writers.writes(tensor)
