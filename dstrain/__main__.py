@@ -1,7 +1,5 @@
 """`python -m dstrain COMMAND ...`: the same as the `dstrain` console script."""
 
-import sys
+from dstrain.cli import console
 
-from dstrain.cli import main
-
-sys.exit(main())
+console()

@@ -27,4 +27,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dstrain.cli import exit_process
+
+    exit_process(main())

@@ -115,3 +115,26 @@ def test_a_command_line_imports_without_the_collector_and_freezes_what_it_import
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_a_program_ends_like_python_s_exit_without_the_teardown():
+    """cli.exit_process, the end of `dstrain` and `dstrain/train.py`: the exit code, non-daemon threads joined,
+    atexit handlers run, unflushed output written — and no teardown (an object's __del__ at exit never runs)."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from dstrain import cli\n"
+        "class Kept:\n"
+        "    def __del__(self):\n"
+        "        print('teardown ran', flush=True)\n"
+        "kept = [Kept()]\n"
+        "kept.append(kept)\n"  # a cycle: only the teardown's collection would reach it
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread finished'))).start()\n"
+        "sys.stdout.write('unflushed ')\n"
+        "cli.exit_process(3)\n"
+        "print('after exit')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert run.stdout.split() == ["unflushed", "thread", "finished", "atexit", "ran"], run.stdout
+    assert not run.stderr, run.stderr

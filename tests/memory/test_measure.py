@@ -1,7 +1,8 @@
-"""The memory estimate against the peak measured on this machine: launch/bench_plan.py's measurement on 2 ranks
-(in the test session's pool, tests/memory/worker.py) trains every layout there (ZeRO-1/2/3, PP2, TP2, EP2, with
-and without activation checkpointing, fp32 and bf16) under the allocation tracker; every rank's prediction is
-within 15% of its measured peak."""
+"""The allocation tracker (dstrain/memory/measure.py) on known allocations, and the memory estimate against the
+peak measured on this machine: launch/bench_plan.py's measurement on 2 ranks (in the test session's pool,
+tests/memory/worker.py) trains every layout there (ZeRO-1/2/3, PP2, TP2, EP2, with and without activation
+checkpointing, fp32 and bf16) under the allocation tracker; every rank's prediction is within 15% of its
+measured peak."""
 
 from __future__ import annotations
 
@@ -11,9 +12,30 @@ import pytest
 
 from tests.helpers.tiny import ROOT
 
-pytestmark = pytest.mark.multirank
+
+def test_the_tracker_counts_what_a_block_allocates_by_phase():
+    import torch
+
+    from dstrain.memory.measure import AllocationTracker
+
+    mib = 1 << 20
+    before = torch.ones(mib // 4)  # alive before the block: not counted, nor is its free
+    with AllocationTracker() as tracker:
+        with tracker.phase("one"):
+            a = torch.ones(mib // 4)  # 1 MiB, kept
+            t = torch.ones(2 * mib // 4)  # 2 MiB, freed within the phase
+            del t
+        with tracker.phase("two"):
+            b = torch.ones(mib // 4) + a  # a 1 MiB result: the ones() temporary is 1 MiB more
+            del a, before
+    one, two = tracker.phases
+    assert (one.name, one.start_bytes, one.peak_bytes) == ("one", 0, 3 * mib)
+    assert (two.name, two.start_bytes, two.peak_bytes) == ("two", mib, 3 * mib)
+    assert tracker.peak_bytes == 3 * mib and tracker.end_bytes == mib
+    assert b.numel() == mib // 4
 
 
+@pytest.mark.multirank
 def test_predicted_peak_is_within_15_percent_of_the_measured_one(rank_pools):
     sys.path.insert(0, str(ROOT / "launch"))
     from bench_plan import LAYOUTS, table
