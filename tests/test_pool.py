@@ -1,6 +1,6 @@
 """The pool of ranks the multi-rank tests run their scenarios in (tests/helpers/pool.py): a scenario that raises
 on one rank, and one that outlives its timeout, each fail alone with their own message, and the next scenario
-runs in a fresh pool."""
+runs in a fresh pool; what a scenario leaves (its engines, their process groups) ends with it."""
 
 from __future__ import annotations
 
@@ -41,3 +41,10 @@ def _fail_alone(rank_pools: Pools) -> None:
         rank_pools.run(2, f"{PROBES}:sleeps", 600, timeout=2)
     assert time.monotonic() - t0 < 30
     assert rank_pools.run(2, f"{PROBES}:rank_sum", 2) == [5, 5] and pool.starts == starts + 2
+
+
+def test_an_engine_and_its_process_group_end_with_their_scenario(rank_pools):
+    """The reset between scenarios ends the engines a scenario left: none lives on with its groups' threads
+    (each left one would, frozen: the ranks reached MAX_THREADS and restarted every few layouts)."""
+    before = [rank_pools.run(2, f"{PROBES}:engine_with_a_group") for _ in range(3)]
+    assert before[2] == before[1], before

@@ -33,8 +33,9 @@ from dstrain.dist import free_port
 from tests.helpers.tiny import ROOT
 
 START_S = 180  # starting the ranks (imports, the process group), on top of the first scenario's timeout
-# DeepSpeed's hooks keep some of every engine alive, with the gloo threads of its process groups, which poll: a
-# rank past this many threads is restarted (idle, 170 threads took 7% of a core; 500, half a core)
+# Every process group keeps gloo threads, which poll, while it lives (idle, 170 threads took 7% of a core; 500,
+# half a core). The reset ends each scenario's engines and groups (a few live on until replaced, as DeepSpeed's
+# pipeline groups): a rank past this many threads, something left alive, is restarted
 MAX_THREADS = 128
 LOG_TAIL = 4000  # characters of each rank's output shown with a failure
 _REPLY_FD = "DSTRAIN_POOL_REPLY_FD"
@@ -244,6 +245,15 @@ _DEEPSPEED_GROUPS = {
 }
 
 
+def _destroy_engines() -> None:
+    """Every DeepSpeed engine alive, destroyed (a function of its own: a loop variable left in the caller would
+    keep the last engine through the collection and the freeze that follow, with its process groups' threads)."""
+    from deepspeed import DeepSpeedEngine
+
+    for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
+        engine.destroy()
+
+
 def _reset_between_scenarios() -> None:
     """What one scenario leaves in the process that would change the next or slow the machine: the process groups
     it made (gloo keeps threads for each: after a few hundred layouts the idle ranks took half a core each), and
@@ -253,10 +263,7 @@ def _reset_between_scenarios() -> None:
 
     gc.collect()
     if "deepspeed" in sys.modules:  # its hooks on the parameters keep each engine (and its groups) alive
-        from deepspeed import DeepSpeedEngine
-
-        for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
-            engine.destroy()
+        _destroy_engines()
         gc.collect()
     world = c10d._get_default_group()
     for group in list(c10d._world.pg_map):
