@@ -44,8 +44,9 @@ def _fail_alone(rank_pools: Pools) -> None:
 
 
 def test_an_engine_and_its_process_group_end_with_their_scenario(rank_pools):
-    """The reset between scenarios ends the engines a scenario left: none lives on with its groups' threads
-    (each left one would, frozen: the ranks reached MAX_THREADS and restarted every few layouts)."""
+    """The reset between scenarios ends the engines a scenario left, and what DeepSpeed keeps of a ZeRO-3 one:
+    none lives on with its groups' threads (each left one would, frozen: the ranks reached MAX_THREADS and
+    restarted every few layouts)."""
     # each rank's thread count at the start of each of 3 scenarios
     threads = [rank_pools.run(2, f"{PROBES}:engine_with_a_group") for _ in range(3)]
     assert threads[2] == threads[1], threads

@@ -246,12 +246,27 @@ _DEEPSPEED_GROUPS = {
 
 
 def _destroy_engines() -> None:
-    """Every DeepSpeed engine alive, destroyed (a function of its own: a loop variable left in the caller would
-    keep the last engine through the collection and the freeze that follow, with its process groups' threads)."""
+    """Every DeepSpeed engine alive, destroyed, and what DeepSpeed keeps of them (a function of its own: a loop
+    variable left in the caller would keep the last engine through the collection and the freeze that follow,
+    with its process groups' threads)."""
     from deepspeed import DeepSpeedEngine
 
     for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
         engine.destroy()
+    # What DeepSpeed 0.19 keeps of every ZeRO-3 engine, with its model, parameters and their groups, for the
+    # process's life: its model on the stack of modules in forward (pushed at the engine's start, never popped;
+    # no forward runs between scenarios), and its coordinator in a method's class-wide functools.lru_cache
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and isinstance(getattr(offload, "FWD_MODULE_STACK", None), list):
+        offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None:
+        owner = coordinator.PartitionedParameterCoordinator
+        memoized = vars(owner).get(f"_{owner.__name__}__params_to_release")
+        # the lru_cache, under DeepSpeed's nvtx wrapper
+        for cell in getattr(memoized, "__closure__", None) or ():
+            if hasattr(cell.cell_contents, "cache_clear"):
+                cell.cell_contents.cache_clear()
 
 
 def _reset_between_scenarios() -> None:

@@ -29,14 +29,14 @@ def sleeps(info, seconds: float) -> float:  # noqa: ANN001
 
 
 def engine_with_a_group(info) -> int:  # noqa: ANN001
-    """A DeepSpeed engine holding a process group of its own (as a layout's do), left for the pool's reset to
-    end -> this rank's thread count before it was built (gloo keeps threads for each group while it lives)."""
+    """A ZeRO-3 DeepSpeed engine holding a process group of its own (as a layout's do), left for the pool's reset
+    to end -> this rank's thread count before it was built (gloo keeps threads for each group while it lives)."""
     import deepspeed
     import torch.distributed as tdist
 
     threads = len(os.listdir("/proc/self/task"))
     model = torch.nn.Linear(4, 4)
-    config = {"train_batch_size": info.world_size, "zero_optimization": {"stage": 1}}
+    config = {"train_batch_size": info.world_size, "zero_optimization": {"stage": 3}}
     optimizer = torch.optim.AdamW(model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     engine.probe_group = tdist.new_group(list(range(info.world_size)))
