@@ -16,9 +16,8 @@ fi
 # other core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
 # tests/helpers/pool.py), and the rest followed by some multi-rank tests (balancing the two) and the CUDA-policy
 # pass. Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded in
-# time (a hang, preemption) come last in the first session. Each session
-# has its own temporary folder; the second one's report follows the first's; every session lists its 30 slowest
-# tests.
+# time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
+# one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers.tiny import ROOT
+from tests.helpers.ranks import run_python
 
 
 @pytest.mark.parametrize(
@@ -113,7 +110,7 @@ def test_a_command_line_imports_without_the_collector_and_freezes_what_it_import
         "    assert not gc.isenabled()\n"
         "assert gc.isenabled() and gc.get_freeze_count() == 0\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = run_python(code)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -134,7 +131,7 @@ def test_a_program_ends_like_python_s_exit_without_the_teardown():
         "cli.exit_process(3)\n"
         "print('after exit')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = run_python(code)
     assert run.returncode == 3, run.stderr[-3000:]
     assert run.stdout.split() == ["unflushed", "thread", "finished", "atexit", "ran"], run.stdout
     assert not run.stderr, run.stderr

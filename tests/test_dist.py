@@ -7,6 +7,7 @@ import socket
 import sys
 
 from dstrain import dist
+from tests.helpers.ranks import run_python
 
 
 def test_jit_ops_are_built_with_this_environments_ninja(monkeypatch, tmp_path):
@@ -31,9 +32,6 @@ def test_a_one_rank_run_picks_another_port_when_its_own_is_taken(tmp_path):
     processes' connections draw from the same ephemeral range) it picks another instead of failing. On gloo the
     group comes without DeepSpeed's shared-memory all-reduce (built and loaded for its inference engine alone),
     and without its line on stdout."""
-    import subprocess
-
-    from tests.helpers.tiny import ROOT
 
     code = """
 import socket
@@ -53,9 +51,7 @@ print("shm op", comm.cdb.shm_comm_op)
     env = {
         k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(code, env)
     assert proc.returncode == 0 and "world 1 True True" in proc.stdout, proc.stderr[-2000:]
     assert "shm op None" in proc.stdout and "shm_comm" not in proc.stdout, proc.stdout
 

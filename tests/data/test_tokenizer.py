@@ -2,14 +2,13 @@
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 
 from dstrain.data import DataError, load_tokenizer
 from dstrain.data.tokenizer import PretrainEncoder
-from tests.helpers.tiny import ROOT, byte_tokenizer
+from tests.helpers.ranks import run_python
+from tests.helpers.tiny import byte_tokenizer
 
 
 def test_generation_config_eos_ends_documents(tmp_path, caplog):
@@ -53,5 +52,5 @@ def test_the_bundled_tokenizer_loads_without_transformers_model_registry():
         "assert load_tokenizer(None).is_fast\n"
         "assert 'transformers.models' not in sys.modules, 'imported'\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = run_python(code)
     assert run.returncode == 0, run.stderr[-3000:]

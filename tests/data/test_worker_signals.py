@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import torch
@@ -17,7 +16,8 @@ import torch
 from dstrain.data import DataOptions, build_loader
 from dstrain.data.loader import watch_stop
 from tests.helpers.data_files import text_rows, write_jsonl
-from tests.helpers.tiny import ROOT, byte_tokenizer
+from tests.helpers.ranks import run_python
+from tests.helpers.tiny import byte_tokenizer
 
 
 def _options(path: str, workers: int) -> DataOptions:
@@ -87,9 +87,7 @@ def test_a_process_failing_with_workers_exits(tmp_path):
         "raise RuntimeError('failed with workers running')\n"
     )
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(script)
     assert proc.returncode == 1 and "failed with workers running" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
 

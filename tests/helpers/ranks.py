@@ -1,4 +1,5 @@
-"""The multi-rank launcher of the tests: torchrun on CPU (gloo), a free port per launch, a bounded time."""
+"""Processes of the tests' own: the multi-rank launcher (torchrun on CPU, gloo, a free port per launch) and a fresh
+Python, each in a bounded time."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def launch(
         *args,
     ]
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_python(
+    code: str, env: dict[str, str] | None = None, timeout: int = 120
+) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter from the repository root (environment `env`, default this one's),
+    its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )

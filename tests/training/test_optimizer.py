@@ -3,10 +3,7 @@ their first call."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.helpers.tiny import ROOT
+from tests.helpers.ranks import run_python
 
 CHECK = """
 import sys
@@ -31,7 +28,5 @@ print("ok")
 
 
 def test_deepspeed_s_muon_imports_without_inductor_and_compiles_at_its_first_call():
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
+    out = run_python(CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
