@@ -32,9 +32,9 @@ def test_shipped_configs_resolve_from_options():
         assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["enabled"] is False
         assert ds["optimizer"]["params"]["lr"] == 3e-3 and ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
         assert ds["scheduler"]["type"] == "WarmupCosineLR"
-        assert ds["optimizer"]["params"]["torch_adam"] is (name != "zero3_offload")
-        # torch's fused AdamW where torch's AdamW runs; overlap_comm "auto" is off without CUDA
-        assert ds["optimizer"]["params"].get("fused", False) is (name != "zero3_offload")
+        # torch's fused AdamW, offload included (no C++ op built at run time); overlap_comm "auto" is off
+        # without CUDA
+        assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True
         assert ds["zero_optimization"]["overlap_comm"] is False
         assert "auto" not in json.dumps({k: v for k, v in ds.items() if k != "tensorboard"})
 
@@ -127,6 +127,16 @@ def test_shipped_configs_resolve_from_options():
         ),
         ({"zero_optimization": {"stage": 0}}, ["--nan_policy", "skip"], "--nan_policy skip needs"),
         (
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": "yes"}}},
+            [],
+            "optimizer.params.torch_adam='yes': true, false or \"auto\"",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": False, "fused": True}}},
+            [],
+            "optimizer.params.fused=true needs torch_adam",
+        ),
+        (
             {"zero_optimization": {"stage": 0}},
             ["--precision", "bf16"],
             "zero_optimization.stage=0 with bf16: not",
@@ -140,6 +150,14 @@ def test_ds_config_errors_name_key_and_value(patch, extra, message, tmp_path):
         _resolve(raw, extra, tmp=tmp_path)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_torch_adam_false_asks_for_deepspeed_s_own_adam(tmp_path):
+    """The one way to DeepSpeed's CPU Adam under offload (its C++ op built at first use): torch_adam=false."""
+    raw = load_ds_config("zero3_offload")[1]
+    raw["optimizer"]["params"]["torch_adam"] = False
+    params = _resolve(raw, [], tmp=tmp_path)["optimizer"]["params"]
+    assert params["torch_adam"] is False and "fused" not in params
 
 
 def test_precision_auto_follows_explicit_config():

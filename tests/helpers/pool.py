@@ -302,13 +302,6 @@ def serve() -> None:
 
     reply = os.fdopen(int(os.environ.pop(_REPLY_FD)), "w")
     info = dist.init_distributed()
-    # DeepSpeed's CPU Adam (every offload engine) asks py-cpuinfo, which runs a Python subprocess each time
-    # (1.5 s): the machine does not change between scenarios
-    import functools
-
-    import cpuinfo
-
-    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     for line in sys.stdin:
         request = json.loads(line)
         print(f"=== scenario {request['id']}: {request['fn']}{tuple(request['args'])!r}", flush=True)
