@@ -14,27 +14,27 @@ if [ "$#" -gt 0 ]; then
 fi
 # Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the
 # other core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
-# tests/helpers/pool.py), and the rest followed by some multi-rank tests (balancing the two) and the CUDA-policy
-# pass. Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded in
-# time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
+# tests/helpers/pool.py), and the CUDA-policy pass, the rest, then some multi-rank tests (balancing the two; ranks
+# last, so that the session that ends second keeps both cores busy: the one-process policy pass last left a core
+# idle for ~40 s). Ranks leave the cores idle while they start and wait, which the other session fills. The tests
+# bounded in time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
 # one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 moved=(tests/training/test_compile.py tests/memory/test_measure.py tests/test_install.py tests/training/test_multinode.py
   tests/test_pool.py tests/config/test_ds_file.py::test_other_projects_templates_run_or_are_refused_in_one_line)
 (
-  "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
-    "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}" &&
-    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
-      tests/model/common/test_experts.py tests/model/deepseek_v3/test_parity.py tests/model/common/test_dsa.py \
-      tests/model/common/test_kernels.py \
-      tests/parallel/test_layouts.py::test_bf16_layouts_with_overlapped_reductions
+  DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
+    tests/model/common/test_experts.py tests/model/deepseek_v3/test_parity.py tests/model/common/test_dsa.py \
+    tests/model/common/test_kernels.py tests/parallel/test_layouts.py::test_bf16_layouts_with_overlapped_reductions &&
+    "${pytest[@]}" -m "not multirank" --durations=30 --basetemp "$tmp/rest" &&
+    "${pytest[@]}" --durations=30 --basetemp "$tmp/moved" "${moved[@]}"
 ) >"$tmp/rest.log" 2>&1 &
 rest=$!
 status=0
 "${pytest[@]}" -m multirank --durations=30 --basetemp "$tmp/ranks" "${moved[@]/#/--deselect=}" || status=$?
 wait "$rest" || status=$?
-echo "--- the other session: the tests not marked multirank, ${moved[*]}, then DSTRAIN_KERNEL_POLICY=cuda"
+echo "--- the other session: DSTRAIN_KERNEL_POLICY=cuda, the tests not marked multirank, then ${moved[*]}"
 cat "$tmp/rest.log"
 rm -rf "$tmp"
 exit "$status"
