@@ -12,12 +12,12 @@ pytest=(.venv/bin/python -m pytest -q -ra)
 if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
-# Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the
-# other core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
+# Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the other
+# core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
 # tests/helpers/pool.py), and the CUDA-policy pass, the rest, then some multi-rank tests (balancing the two; ranks
-# last, so that the session that ends second keeps both cores busy: the one-process policy pass last left a core
-# idle for ~40 s). Ranks leave the cores idle while they start and wait, which the other session fills. The tests
-# bounded in time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
+# last, so that the session that ends second keeps both cores busy: the one-process policy pass last left a core idle
+# for ~40 s). Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded
+# in time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
 # one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
