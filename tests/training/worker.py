@@ -199,6 +199,8 @@ def templates(info, out: str) -> dict[str, Any]:  # noqa: ANN001
             tr = make_trainer(opts, f"{out}/{path.stem}", info)
             tr.run()
             got["loss"] = tr.history[-1]["loss"]
+            opt = tr.engine.basic_optimizer  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+            got["optimizer"] = [f"{type(opt).__module__}.{type(opt).__name__}", opt.defaults.get("fused")]
         else:  # what deepspeed.initialize would parse first
             DeepSpeedConfig(plan.ds)
         res[path.stem] = got
