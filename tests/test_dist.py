@@ -32,7 +32,6 @@ def test_a_one_rank_run_picks_another_port_when_its_own_is_taken(tmp_path):
     processes' connections draw from the same ephemeral range) it picks another instead of failing. On gloo the
     group comes without DeepSpeed's shared-memory all-reduce (built and loaded for its inference engine alone),
     and without its line on stdout."""
-
     code = """
 import socket
 from dstrain import dist
