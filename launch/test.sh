@@ -5,6 +5,10 @@
 # Arguments (a test path, -k ...) run just those, once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode caches on, where the environment turned them off (PYTHONDONTWRITEBYTECODE): without them each of the
+# ~120 processes a run starts compiles dstrain from source and each pytest session rewrites every test module
+# again (~20 CPU-s a run). __pycache__/ is ignored by git.
+unset PYTHONDONTWRITEBYTECODE
 bash launch/setup.sh
 .venv/bin/ruff check dstrain tests launch
 .venv/bin/ruff format --check dstrain tests launch

@@ -10,7 +10,7 @@ import torch
 
 from dstrain.config.options import ScheduleOptions
 from dstrain.model import build_model
-from dstrain.training.metrics import _truncate_after
+from dstrain.training.metrics import _truncate_after, measure_cpu_peak_tflops
 from dstrain.training.objective import LossWeights, count_targets, micro_loss
 from dstrain.training.schedule import lr_at
 from tests.helpers.tiny import byte_tokenizer, tiny_config
@@ -89,6 +89,15 @@ def test_metrics_truncated_to_resume_step(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6')
     _truncate_after(str(path), 3)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_cpu_peak_is_measured_once_per_process_off_the_run_s_random_numbers():
+    """A second run in a process (the Python API, a pool of ranks) reuses the figure, and timing it draws nothing
+    from torch's global generator: a run's random numbers do not depend on whether it measured."""
+    state = torch.get_rng_state()
+    peak = measure_cpu_peak_tflops(torch.float32, seconds=0.01)
+    assert peak > 0 and torch.equal(torch.get_rng_state(), state)
+    assert measure_cpu_peak_tflops(torch.float32, seconds=0.01) == peak
 
 
 def test_global_rows_independent_of_split():
