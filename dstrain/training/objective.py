@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dstrain import dist
-from dstrain.batch import host_to_device, target_mask
+from dstrain.batch import PAD_POSITION, host_to_device, target_mask
 from dstrain.model import ModelConfig, ModelOutput, combine_losses
 
 
@@ -32,6 +32,17 @@ def count_targets(batch: dict[str, torch.Tensor], mtp_depth: int, halo: int = 0)
         n = min(t, labels.shape[1] - shift)
         counts.append(target_mask(labels, pos, shift)[:, :n].sum() if n > 0 else labels.new_zeros(()))
     return torch.stack(counts).to(torch.int64).cpu()
+
+
+def count_queries(batch: dict[str, torch.Tensor], halo: int = 0) -> torch.Tensor:
+    """int64 (): the positions of this micro batch that hold a token (PAD_POSITION's do not), the queries whose
+    indexer KL counts (dsa.Target.real); of a sequence-parallel slice, its own positions (`halo` as in
+    count_targets)."""
+    labels, pos = batch["labels"], batch.get("position_ids")
+    t = labels.shape[1] - halo
+    if pos is None:
+        return torch.tensor(labels.shape[0] * t, dtype=torch.int64)
+    return (pos[:, :t] != PAD_POSITION).sum().to(torch.int64).cpu()
 
 
 @dataclass(frozen=True)

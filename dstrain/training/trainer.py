@@ -248,14 +248,20 @@ class Trainer:
         batches = [self._shard(b) for b in batches]
         halo = sequence_halo(self.mtp_depth) if self.dims.sp > 1 else 0
         local_counts = torch.stack([count_targets(b, self.mtp_depth, halo) for b in batches]).sum(0)
-        n_global = self._dp_sum(host_to_device(local_counts.to(torch.float64), dev)).to(torch.float32)
+        dsa = self.cfg.sparse_attention
+        counts = local_counts
+        if dsa:  # and the step's queries that hold a token, in the same reduction
+            queries = torch.stack([objective.count_queries(b, halo) for b in batches]).sum()
+            counts = torch.cat([local_counts, queries.view(1)])
+        n_global = self._dp_sum(host_to_device(counts.to(torch.float64), dev)).to(torch.float32)
         lr = float(self.engine.get_lr()[0])
         # Ranks holding a copy of another's numbers (tensor-parallel peers) count them with weight 0.
         stats = StepStats(self.mtp_depth, dev, *self._stat_weights())
-        if (
-            self.cfg.sparse_attention
-        ):  # the indexers' KL: a mean over the step's queries, times the coefficient
-            queries = self.plan.global_batch_rows * seq_len
+        if dsa:
+            # The indexers' KL: a mean over the step's real queries (as its logged figure: padding is in no KL),
+            # times the coefficient; the injected gradient sees neither DeepSpeed's 1 / GA nor the loss. A
+            # device tensor: no host sync.
+            n_global, queries = n_global[:-1], n_global[-1].clamp(min=1)
             coef = self.opts.model.indexer_loss_coef
             self.model.set_indexer_grad_scale(coef * self.scale / self.ga / queries)
         run = self._pipe_batches if self.pipe else self._micro_batches

@@ -135,7 +135,7 @@ def reference_run(
     `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
     from dstrain.model import build_model
     from dstrain.optim.groups import adamw_groups
-    from dstrain.training.objective import LossWeights, count_targets, micro_loss
+    from dstrain.training.objective import LossWeights, count_queries, count_targets, micro_loss
     from dstrain.training.schedule import make_scheduler_factory
     from tests.helpers.muon import ReferenceMuon, uses_muon
 
@@ -157,14 +157,15 @@ def reference_run(
     )
     sched = make_scheduler_factory(s)(opt)
     w = LossWeights.of(cfg)
-    if cfg.sparse_attention:  # one forward per step: the indexers' KL is a mean over its queries
+    if cfg.sparse_attention:
         stage = opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse"
         model.set_sparse_attention(stage)
-        model.set_indexer_grad_scale(opts.model.indexer_loss_coef / (global_batch * SEQ))
     out_recs = []
     for step in range(steps):
         batch = stack([global_row(step * global_batch + j) for j in range(global_batch)])
         n = count_targets(batch, cfg.num_nextn_predict_layers).float()
+        if cfg.sparse_attention:  # one forward per step: the indexers' KL is a mean over its real queries
+            model.set_indexer_grad_scale(opts.model.indexer_loss_coef / float(count_queries(batch)))
         out = model(**batch)
         loss = micro_loss(out, n, 1.0, w)
         loss.backward()

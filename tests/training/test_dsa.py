@@ -61,6 +61,14 @@ def test_each_stage_trains_what_it_says(stage, tmp_path, rank_pools):
         assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "deepseek_v32"
 
 
+def test_the_indexer_s_gradient_is_its_kl_s_mean_over_the_queries_that_hold_a_token(rank_pools, tmp_path):
+    """Rows that end in padding: the KL's gradient factor is the coefficient over the step's real queries (those
+    its logged figure averages: padding is in no KL, as in Megatron's packed path), not over every position."""
+    res = rank_pools.run(1, "tests.training.worker:dsa_grad_scale", str(tmp_path))[0]
+    assert res["real"] < res["positions"] and res["indexer_loss"] > 0
+    assert res["scale"] == pytest.approx(res["coef"] / res["real"], rel=1e-6)
+
+
 def test_stage_options_are_refused_for_a_model_without_sparse_attention(capsys):
     assert main(["--model", "tiny", "--dsa_stage", "dense", "--max_steps", "0"]) == 2
     assert "--dsa_stage / --indexer_loss_coef: deepseek_v3 has no sparse attention" in capsys.readouterr().err

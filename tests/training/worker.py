@@ -86,6 +86,45 @@ def ga_split(info, out: str) -> dict[str, Any]:  # noqa: ANN001
     return res
 
 
+class _PaddedRows(GlobalRows):
+    """GlobalRows whose row r of each micro batch ends in 5 + r padding positions (PAD_POSITION, no target)."""
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        from dstrain.batch import IGNORE_INDEX, PAD_POSITION
+
+        batch = super().__next__()
+        pos = batch["position_ids"].clone()
+        for r in range(pos.shape[0]):
+            pos[r, -(5 + r) :] = PAD_POSITION
+        return {
+            **batch,
+            "position_ids": pos,
+            "labels": batch["labels"].masked_fill(pos == PAD_POSITION, IGNORE_INDEX),
+        }
+
+
+def dsa_grad_scale(info, out: str) -> dict[str, float]:  # noqa: ANN001
+    """One step of the tiny DSA model (sparse stage, 2 micro batches) on rows that end in padding -> the factor
+    the indexers' KL gradient got, the coefficient, and the step's positions and those that hold a token."""
+    from tests.helpers.tiny import tiny_dsa_config
+
+    loader = _PaddedRows(2, 2, info.rank, info.world_size)
+    args = "--config zero1 --micro_batch_size 2 --gradient_accumulation_steps 2 --max_steps 1 --save_every 0"
+    args += " --dsa_stage sparse --indexer_loss_coef 0.5"
+    tr = make_trainer(_opts(args), f"{out}/dsa", info, cfg=tiny_dsa_config(), loader=loader)
+    probe = _PaddedRows(2, 2, info.rank, info.world_size)
+    rows = [next(probe) for _ in range(2)]
+    rec = tr.train_step()
+    (scale,) = {float(s.grad_scale) for s in tr.model.sparse_settings()}
+    return {
+        "scale": scale,
+        "coef": tr.opts.model.indexer_loss_coef,
+        "positions": sum(r["position_ids"].numel() for r in rows) * info.world_size,
+        "real": sum(int((r["position_ids"] >= 0).sum()) for r in rows) * info.world_size,
+        "indexer_loss": rec["indexer_loss"],
+    }
+
+
 def idle_experts(info, out: str) -> dict[str, Any]:  # noqa: ANN001
     """ZeRO-3 where rank 1 routes every token identically (most experts get nothing there): must not hang."""
     same = 7 if info.rank == 1 else None

@@ -12,7 +12,7 @@ indexer and attend with the previous full layer's selection.
 Training (DeepSeek-V3.2 report, section 2.1; Megatron-LM's dsa.py): the target is the main attention's
 probabilities (detached), summed over all heads and L1-normalised per query, under the same masks; the loss is
 KL(target || softmax(I)) per query, summed over queries, scaled by the caller (the mean over the global batch's
-queries times --indexer_loss_coef). The indexer's inputs (x, qr) are detached, so the main model learns from
+real queries times --indexer_loss_coef). The indexer's inputs (x, qr) are detached, so the main model learns from
 the LM loss alone and the indexer from its KL alone. In the sparse stage both distributions are restricted to
 the selected keys. Nothing (T, T)-sized is kept: `index_pass` walks blocks of query rows, computing scores,
 the selection, the KL and its gradient with respect to the indexer's q, k and w in the same pass; those
@@ -348,8 +348,9 @@ class SparseSettings:
     """The dense warm-up: attention over every key (the indexer still learns)."""
     loss: bool = True
     """Compute the indexer's KL (and, training, inject its gradient)."""
-    grad_scale: float | None = None
-    """Factor on the KL sum's gradient; None: 1 / (queries of the forward that hold a token)."""
+    grad_scale: float | torch.Tensor | None = None
+    """Factor on the KL sum's gradient (a 0-dim tensor: on the device, read by no host); None: 1 / (queries of
+    the forward that hold a token)."""
 
 
 class SparseControls:
@@ -368,7 +369,7 @@ class SparseControls:
         for s in self.sparse_settings():
             s.dense, s.loss = stage == "dense", stage != "frozen"
 
-    def set_indexer_grad_scale(self, scale: float | None) -> None:
+    def set_indexer_grad_scale(self, scale: float | torch.Tensor | None) -> None:
         """Factor on each indexer's KL-sum gradient (the trainer's global normalisation times the loss
         coefficient); None: the mean over the forward's queries."""
         for s in self.sparse_settings():
