@@ -66,9 +66,9 @@ class ModelOptions:
     report: post-training uses sparse attention as the sparse pre-training stage did), 'frozen' for GLM-5 (the
     one rule its report states, for RL); 'frozen' under LoRA, which keeps the base model as loaded."""
     indexer_loss_coef: float = 0.01
-    """Weight of the indexers' KL loss (a mean over the step's queries that hold a token, summed over layers; Megatron-LM's
-    dsa_indexer_loss_coeff, 0.01 in its tests). Only the indexers learn from it; it enters the global gradient
-    norm that clipping uses."""
+    """Weight of the indexers' KL loss (a mean over the step's queries that hold a token, summed over layers;
+    Megatron-LM's dsa_indexer_loss_coeff, 0.01 in its tests). Only the indexers learn from it; it enters the
+    global gradient norm that clipping uses."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation: inductor, on CPU and GPU);
     the first step, which compiles, is timed and printed."""
