@@ -141,8 +141,23 @@ def reference_run(
 
     o, s = opts.optimizer, opts.schedule
     torch.manual_seed(opts.run.seed)
+    stage = (
+        (opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse")
+        if cfg.sparse_attention
+        else None
+    )
+    if (
+        stage == "dense"
+    ):  # DeepSeek-V3.2's warm-up trains the lightning indexers alone: the experts' bias kept
+        cfg = cfg.replace(bias_update_speed=0.0)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
+    if stage is not None:
+        model.set_sparse_attention(stage)
+        if stage == "dense":
+            indexers = {id(p) for indexer in model.indexers() for p in indexer.parameters()}
+            for p in model.parameters():
+                p.requires_grad_(id(p) in indexers)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = None
     if o.optimizer == "muon":  # the test's own Muon on the matrices, AdamW on the rest
@@ -157,9 +172,6 @@ def reference_run(
     )
     sched = make_scheduler_factory(s)(opt)
     w = LossWeights.of(cfg)
-    if cfg.sparse_attention:
-        stage = opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse"
-        model.set_sparse_attention(stage)
     out_recs = []
     for step in range(steps):
         batch = stack([global_row(step * global_batch + j) for j in range(global_batch)])

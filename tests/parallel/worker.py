@@ -26,6 +26,8 @@ LORA = (
 )
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
 DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"
+# The warm-up trains the indexers alone: a coefficient that puts their gradient norm past the clip (0.5)
+DSA_DENSE = "--dsa_stage dense --indexer_loss_coef 5000"
 MUON = "--optimizer muon"  # a coefficient that makes the indexers' share visible
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
@@ -66,6 +68,10 @@ LAYOUTS = {  # name -> flags
     "dsa_ep2": f"--config zero2 --ep 2 {DSA}",
     "dsa_sp2": f"--config zero1 --sp 2 {DSA}",
     "dsa_dp1": f"--config zero1 {DSA}",
+    # ... and its dense warm-up (test_layouts.py::test_dense_stage_layouts_match_one_process): the KL over every
+    # key, its target's heads summed over tensor-parallel ranks, and over sequence-parallel ranks' heads
+    "dsa_dense_tp2": f"--config zero1 --tp 2 {DSA_DENSE}",
+    "dsa_dense_sp2": f"--config zero1 --sp 2 {DSA_DENSE}",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
     "muon_z0": f"--config {{out}}/zero0.json {MUON}",
@@ -91,8 +97,9 @@ LAYOUTS = {  # name -> flags
     "muon_ep2_bf16": f"--config {{out}}/zero2_overlap.json --precision bf16 --ep 2 {MUON}",
 }
 # Layouts whose run is not resumed in the same layout (the suite's time: every V3 layout checks that exact
-# resume, which is the layout's, not the model's; DeepSeek-V4 resumes on another layout in RESHARD_DSA)
-NO_SAME_LAYOUT_RESUME = ("v4_z3", "v4_ep2", "v4_pp2", "v4_sp2")
+# resume, which is the layout's, not the model's; DeepSeek-V4 resumes on another layout in RESHARD_DSA; DSA's
+# dense stage is its sparse stage's model)
+NO_SAME_LAYOUT_RESUME = ("v4_z3", "v4_ep2", "v4_pp2", "v4_sp2", "dsa_dense_tp2", "dsa_dense_sp2")
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
     1: [("dp1_z1", "dp2_z1"), ("dp1_z2", "dp2_z2"), ("dp1_z3", "dp2_z3"), ("dp1_z1", "ep2_z1")]
