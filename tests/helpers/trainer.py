@@ -141,14 +141,11 @@ def reference_run(
 
     o, s = opts.optimizer, opts.schedule
     torch.manual_seed(opts.run.seed)
-    stage = (
-        (opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse")
-        if cfg.sparse_attention
-        else None
-    )
-    if (
-        stage == "dense"
-    ):  # DeepSeek-V3.2's warm-up trains the lightning indexers alone: the experts' bias kept
+    stage = None
+    if cfg.sparse_attention:
+        stage = opts.model.dsa_stage if opts.model.dsa_stage != "auto" else "sparse"
+    # DeepSeek-V3.2's warm-up trains the lightning indexers alone: the experts' bias stays as it is
+    if stage == "dense":
         cfg = cfg.replace(bias_update_speed=0.0)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)

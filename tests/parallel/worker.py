@@ -25,10 +25,10 @@ LORA = (
     "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts,gate --moe_bias_update_speed 0.01"
 )
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
-DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"
+DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"  # a coefficient that makes the indexers' share visible
 # The warm-up trains the indexers alone: a coefficient that puts their gradient norm past the clip (0.5)
 DSA_DENSE = "--dsa_stage dense --indexer_loss_coef 5000"
-MUON = "--optimizer muon"  # a coefficient that makes the indexers' share visible
+MUON = "--optimizer muon"
 LAYOUTS = {  # name -> flags
     "pp2": "--config zero1 --pp 2",
     "tp2": "--config zero1 --tp 2",

@@ -1,7 +1,7 @@
 """Multi-rank trainer scenarios for tests/training/ and tests/config/, run in the test session's pool of ranks
 (tests/helpers/pool.py): ZeRO 1/2/3 with resumes, evaluation, GA splits, idle experts, bf16, the NaN policies,
 --compile in each layout, other projects' DeepSpeed files, LoRA under ZeRO-3, the host syncs of a step (1
-rank), and the run continued after a killed save. `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker kill OUT` is the run
+rank), the indexers' gradient factor on padded rows (1 rank), and the run continued after a killed save. `python -m torch.distributed.run --nproc_per_node 2 -m tests.training.worker kill OUT` is the run
 whose rank 1 kills itself during a save (DSTRAIN_TEST_KILL_DURING_SAVE): it needs processes of its own."""
 
 from __future__ import annotations
