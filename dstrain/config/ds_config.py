@@ -313,7 +313,7 @@ def _resolve_optimizer(
     # use on each machine (a compiler at run time; ~100 CPU-s) and asks py-cpuinfo in a subprocess per engine.
     # torch_adam=false asks for DeepSpeed's (under offload, its CPU Adam).
     torch_adam = params.get("torch_adam", AUTO)
-    if torch_adam not in (AUTO, True, False):
+    if torch_adam != AUTO and not isinstance(torch_adam, bool):  # 0 and 1 are not JSON's false and true
         raise ConfigError(f'ds_config optimizer.params.torch_adam={torch_adam!r}: true, false or "auto"')
     params["torch_adam"] = torch_adam is not False
     # torch's fused AdamW kernel (CPU and CUDA): one pass over the states instead of a kernel per op (4.6x

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dstrain import dist
-from dstrain.batch import PAD_POSITION, host_to_device, target_mask
+from dstrain.batch import host_to_device, real_tokens, target_mask
 from dstrain.model import ModelConfig, ModelOutput, combine_losses
 
 
@@ -38,11 +38,11 @@ def count_queries(batch: dict[str, torch.Tensor], halo: int = 0) -> torch.Tensor
     """int64 (): the positions of this micro batch that hold a token (PAD_POSITION's do not), the queries whose
     indexer KL counts (dsa.Target.real); of a sequence-parallel slice, its own positions (`halo` as in
     count_targets)."""
-    labels, pos = batch["labels"], batch.get("position_ids")
+    labels, real = batch["labels"], real_tokens(batch.get("position_ids"))
     t = labels.shape[1] - halo
-    if pos is None:
+    if real is None:
         return torch.tensor(labels.shape[0] * t, dtype=torch.int64)
-    return (pos[:, :t] != PAD_POSITION).sum().to(torch.int64).cpu()
+    return real[:, :t].sum().to(torch.int64).cpu()
 
 
 @dataclass(frozen=True)

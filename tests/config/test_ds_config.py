@@ -132,6 +132,11 @@ def test_shipped_configs_resolve_from_options():
             "optimizer.params.torch_adam='yes': true, false or \"auto\"",
         ),
         (
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": 0}}},
+            [],
+            'optimizer.params.torch_adam=0: true, false or "auto"',
+        ),
+        (
             {"optimizer": {"type": "AdamW", "params": {"torch_adam": False, "fused": True}}},
             [],
             "optimizer.params.fused=true needs torch_adam",
