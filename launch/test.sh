@@ -26,7 +26,7 @@ fi
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 # in this order: the one that waits (a second node's start) first, the busiest last
-moved=(tests/training/test_multinode.py tests/test_install.py
+moved=(tests/training/test_multinode.py
   tests/config/test_ds_file.py::test_other_projects_templates_run_or_are_refused_in_one_line
   tests/memory/test_measure.py tests/training/test_compile.py)
 (

@@ -10,6 +10,22 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256
 
 
+# torch.compile's backend that captures without generating code: Dynamo's whole graph (a graph break or host sync
+# is an error with fullgraph=True), AOTAutograd's backward through Inductor's decompositions and partitioner
+CAPTURE_BACKEND = "aot_eager_decomp_partition"
+
+
+def compile_backend() -> str:
+    """torch.compile's backend for the model tests: Inductor, but under the CUDA policy (the GPU branches run on
+    the CPU) capture only. Inductor on a CPU writes C++, not the Triton a GPU runs, so it would check nothing of
+    the GPU's kernels there, and each of its graphs costs 20-80 s of C++ compilation on a machine whose cache is
+    cold (CI's); what the CUDA branches must pass, one graph with no host sync and a traceable backward, the
+    capture checks."""
+    from dstrain.model.common.kernels import KERNEL_POLICY
+
+    return CAPTURE_BACKEND if KERNEL_POLICY == "cuda" else "inductor"
+
+
 def tiny_config(**kw: Any):  # noqa: ANN201 - a dstrain ModelConfig
     """A model that trains in milliseconds with every feature on: MLA with q compression, one dense and one
     MoE layer (4 routed experts, top-2, 1 shared), MTP depth 1, nonzero balance loss and bias speed."""

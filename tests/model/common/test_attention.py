@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from dstrain.model.common.attention import CPU_BLOCK_ROWS, AttentionLayout, attend, attention_layout
 from dstrain.model.common.kernels import KERNEL_POLICY
+from tests.helpers.tiny import compile_backend
 
 
 def _inputs(b, t, h, dqk, dv, dtype, seed=0):
@@ -100,7 +101,7 @@ def test_compiles_whole_and_matches_eager():
         q, k, v, dout = _inputs(b, t, 2, 12, 8, torch.float32)
         want = _run(q, k, v, dout, 0.3, layout)
         q, k, v, _ = _inputs(b, t, 2, 12, 8, torch.float32)
-        compiled = torch.compile(attend, fullgraph=True)
+        compiled = torch.compile(attend, fullgraph=True, backend=compile_backend())
         out = compiled(q, k, v, 0.3, layout)
         out.backward(dout)
         for name, a, w in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), want):
