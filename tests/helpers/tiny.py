@@ -1,5 +1,5 @@
-"""The small things every test floor shares: the repository root, a very small model config and a byte-level
-tokenizer built in memory (nothing touches the network)."""
+"""The small things every test floor shares: the repository root, a very small model config, the torch.compile
+backend of the model tests and a byte-level tokenizer built in memory (nothing touches the network)."""
 
 from __future__ import annotations
 
