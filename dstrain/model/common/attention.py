@@ -232,7 +232,9 @@ def attend(
     if selection is not None and selection.shape[-1] >= t:
         selection = None  # every key is chosen: dense
     path = attention_path(q.device, q.dtype, not layout.causal_only)
-    if path not in _logged:
+    # Said once per path, in eager code only: traced, the set is state Dynamo breaks the graph on (the log call)
+    # and guards on (a second compile once it changes); a run's kernel line names the path anyway
+    if not torch.compiler.is_compiling() and path not in _logged:
         _logged.add(path)
         log.info("attention on %s/%s: %s", q.device.type, str(q.dtype).removeprefix("torch."), path)
     kernel = varlen_kernel(q.device, q.dtype) if layout.cu_seqlens is not None and selection is None else None

@@ -205,8 +205,17 @@ class Head(Linear):
         return total, hits
 
     def compile_loss(self, **options) -> None:  # noqa: ANN003 - torch.compile's
-        """Fuse each chunk's elementwise work (log-softmax, softmax, target, mask, cast) into few kernels."""
-        self.chunk_fn = torch.compile(ce_chunk, **options)
+        """Fuse each chunk's elementwise work (log-softmax, softmax, target, mask, cast) into few kernels. A chunk's
+        rows differ between calls (the main head's, each MTP depth's, a last partial chunk): compiled for any count
+        from the first call, not once for the first count and again, dynamic, when the next one differs."""
+        compiled = torch.compile(ce_chunk, **options)
+
+        def chunk_fn(logits, targets, valid, want_grad, mask_grad=True):  # noqa: ANN001, ANN202 - ce_chunk's
+            for t in (logits, targets, valid):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return compiled(logits, targets, valid, want_grad, mask_grad)
+
+        self.chunk_fn = chunk_fn
 
 
 def ce_sum(

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dstrain.model.common.attention as attention_mod
 from dstrain.model.common.attention import CPU_BLOCK_ROWS, AttentionLayout, attend, attention_layout
 from dstrain.model.common.kernels import KERNEL_POLICY
-from tests.helpers.tiny import compile_backend
+from tests.helpers.tiny import CAPTURE_BACKEND, compile_backend
 
 
 def _inputs(b, t, h, dqk, dv, dtype, seed=0):
@@ -106,6 +107,22 @@ def test_compiles_whole_and_matches_eager():
         out.backward(dout)
         for name, a, w in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), want):
             assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), name
+
+
+def test_compiles_whole_on_the_process_s_first_call_and_once(monkeypatch):
+    """--compile traces attention on a run's first step, before anything said which kernel runs: the path is said
+    in eager code only, so that trace is one graph (a log call broke it: each block kind's first compile came out
+    in pieces), and saying it later in eager code does not make the compiled one compile again."""
+    monkeypatch.setattr(attention_mod, "_logged", set())
+    torch._dynamo.reset()
+    q, k, v, _ = _inputs(1, 8, 2, 12, 8, torch.float32)
+    compiled = torch.compile(attend, fullgraph=True, backend=CAPTURE_BACKEND)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = compiled(q, k, v, 0.3, AttentionLayout(causal_only=True))
+        want = attend(q, k, v, 0.3, AttentionLayout(causal_only=True))  # eager: says the path
+        assert attention_mod._logged
+        assert torch.equal(compiled(q, k, v, 0.3, AttentionLayout(causal_only=True)), out)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(KERNEL_POLICY == "cuda", reason="the CPU kernel's property; the CUDA branch runs SDPA")

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dstrain.model.common.kernels as kernels
 import dstrain.model.common.loss as loss_mod
 from dstrain.model.common.loss import Head
+from tests.helpers.tiny import CAPTURE_BACKEND
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -44,6 +45,23 @@ def test_chunked_head_loss_equals_cross_entropy(dtype, tol, monkeypatch):
     assert got_h.dtype == dtype and rel(got_h, h.grad) <= tol
     assert got_w.dtype == dtype and rel(got_w, head.weight.grad) <= tol
     assert not got_h[~valid].any()  # masked rows get no gradient
+
+
+def test_the_compiled_chunk_is_compiled_once_for_every_row_count():
+    """--compile's loss chunks (compile_loss): the main head's rows, each MTP depth's and a last partial chunk
+    differ in count; one compile serves them all (before: one for the first count, one more at the next)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    head = Head(8, 20, bias=False)
+    head.compile_loss(backend=CAPTURE_BACKEND)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (12, 11, 7):
+            h = torch.randn(rows, 8, generator=g, requires_grad=True)
+            targets = torch.randint(0, 20, (rows,), generator=g)
+            got = head(h, targets, torch.ones(rows, dtype=torch.bool))
+            got.backward()
+            want = F.cross_entropy(F.linear(h, head.weight), targets, reduction="sum")
+            assert torch.allclose(got, want, rtol=1e-6)
 
 
 def test_no_grad_computes_the_loss_only():
