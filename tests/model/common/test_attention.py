@@ -111,8 +111,8 @@ def test_compiles_whole_and_matches_eager():
 
 def test_compiles_whole_on_the_process_s_first_call_and_once(monkeypatch):
     """--compile traces attention on a run's first step, before anything said which kernel runs: the path is said
-    in eager code only, so that trace is one graph (a log call broke it: each block kind's first compile came out
-    in pieces), and saying it later in eager code does not make the compiled one compile again."""
+    in eager code only, so that trace is one graph (a log call broke it: the block's first compile for each path
+    came out in pieces), and saying it later in eager code does not make the compiled one compile again."""
     monkeypatch.setattr(attention_mod, "_logged", set())
     torch._dynamo.reset()
     q, k, v, _ = _inputs(1, 8, 2, 12, 8, torch.float32)
