@@ -4,6 +4,7 @@ peak; profiler traces."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -48,16 +49,13 @@ def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, seconds: float =
     """Achievable matmul TFLOP/s of this process's CPU threads: a cheap stand-in for a datasheet peak (0.1 s
     is within the spread of 0.3 s's figure, about 5%, and every run pays it at start, once per process for a
     dtype and thread count: a second run in the same process, e.g. from the Python API, reuses it)."""
-    key = (dtype, torch.get_num_threads(), seconds)
-    if key not in _CPU_PEAKS:
-        _CPU_PEAKS[key] = _time_matmuls(dtype, seconds)
-    return _CPU_PEAKS[key]
+    return _time_matmuls(dtype, torch.get_num_threads(), seconds)
 
 
-_CPU_PEAKS: dict[tuple[torch.dtype, int, float], float] = {}
-
-
-def _time_matmuls(dtype: torch.dtype, seconds: float) -> float:
+@functools.cache
+def _time_matmuls(dtype: torch.dtype, threads: int, seconds: float) -> float:
+    """The figure, for the `threads` the process runs now (part of the key: a thread count set later measures
+    again)."""
     n = 512
     draw = torch.Generator().manual_seed(0)  # not the global one: a run's random numbers stay the run's
     a, b = (torch.randn(n, n, dtype=dtype, generator=draw) for _ in range(2))

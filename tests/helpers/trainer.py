@@ -134,6 +134,7 @@ def reference_run(
     """Plain PyTorch on the whole global batch: AdamW, clip_grad_norm_, the same schedule and objective.
     `model`: start from it (fp32) instead of a fresh one built from `cfg` and the seed."""
     from dstrain.model import build_model
+    from dstrain.model.common.lora import set_trainable
     from dstrain.optim.groups import adamw_groups
     from dstrain.training.objective import LossWeights, count_queries, count_targets, micro_loss
     from dstrain.training.schedule import make_scheduler_factory
@@ -149,12 +150,11 @@ def reference_run(
         cfg = cfg.replace(bias_update_speed=0.0)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
-    if stage is not None:
+    if (
+        stage is not None
+    ):  # and the stage's freezing, as the trainer's (the dense warm-up: the indexers alone)
         model.set_sparse_attention(stage)
-        if stage == "dense":
-            indexers = {id(p) for indexer in model.indexers() for p in indexer.parameters()}
-            for p in model.parameters():
-                p.requires_grad_(id(p) in indexers)
+        set_trainable(model, train_router=True, train_mtp=True, dsa_stage=stage)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = None
     if o.optimizer == "muon":  # the test's own Muon on the matrices, AdamW on the rest
