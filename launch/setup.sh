@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   warm "torch._dynamo, torch._inductor.compile_fx" & # on the core pip leaves idle
   "${pip[@]}" -e ".[dev]"
   wait
-  warm "deepspeed, peft, dstrain.training.trainer, dstrain.cli" &
+  warm "deepspeed, peft, dstrain.training.trainer, dstrain.cli" & # two at a time: one a core
   warm "datasets, transformers.tokenization_utils_tokenizers, torch.utils.tensorboard, matplotlib.pyplot"
   wait
   echo "$want" > "$stamp"
