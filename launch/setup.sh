@@ -18,7 +18,7 @@ stamp=.venv/.dstrain-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip=(.venv/bin/python -m pip install -q --no-compile)
-  "${pip[@]}" "pip>=23.1" # editable installs from pyproject.toml (Python 3.10's own pip predates them)
+  "${pip[@]}" "pip>=21.3" # editable installs from pyproject.toml (PEP 660): Python 3.10.0's pip predates them
   # torch first and pinned: this resolves to the CPU build on machines without CUDA and keeps
   # deepspeed's own dependency resolution from pulling a CUDA build.
   "${pip[@]}" "torch==2.13.0"
