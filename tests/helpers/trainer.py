@@ -150,9 +150,8 @@ def reference_run(
         cfg = cfg.replace(bias_update_speed=0.0)
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
-    if (
-        stage is not None
-    ):  # and the stage's freezing, as the trainer's (the dense warm-up: the indexers alone)
+    if stage is not None:
+        # and the stage's freezing, as the trainer's (the dense warm-up: the indexers alone)
         model.set_sparse_attention(stage)
         set_trainable(model, train_router=True, train_mtp=True, dsa_stage=stage)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
