@@ -14,6 +14,15 @@ fi
 warm() {
   env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import $1" >/dev/null 2>&1 || true
 }
+# uv installs what pip would in a fraction of the time (it downloads, builds and unpacks in parallel): pip's own
+# package-choosing settings handed to it (launch/uv_args.py), and pip where that fails or a setting has no match.
+uv_install() {
+  local lines
+  "${pip[@]}" uv >/dev/null 2>&1 && mapfile -t lines < <(.venv/bin/python launch/uv_args.py) &&
+    [ "${#lines[@]}" -gt 1 ] || return 1
+  SSL_CERT_FILE=${lines[0]:-${SSL_CERT_FILE:-}} .venv/bin/uv pip install -q --python .venv/bin/python \
+    "${lines[@]:1}" "$@"
+}
 stamp=.venv/.dstrain-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
@@ -21,9 +30,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "${pip[@]}" "pip>=21.3" # editable installs from pyproject.toml (PEP 660): Python 3.10.0's pip predates them
   # torch first and pinned: this resolves to the CPU build on machines without CUDA and keeps
   # deepspeed's own dependency resolution from pulling a CUDA build.
-  "${pip[@]}" "torch==2.13.0"
-  warm "torch._dynamo, torch._inductor.compile_fx" & # on the core pip leaves idle
-  "${pip[@]}" -e ".[dev]"
+  uv_install "torch==2.13.0" || "${pip[@]}" "torch==2.13.0"
+  warm "torch._dynamo, torch._inductor.compile_fx" & # on the core an install leaves idle
+  uv_install -e ".[dev]" || "${pip[@]}" -e ".[dev]"
   wait
   warm "deepspeed, peft, dstrain.training.trainer, dstrain.cli" & # two at a time: one a core
   warm "datasets, transformers.tokenization_utils_tokenizers, torch.utils.tensorboard, matplotlib.pyplot"
