@@ -7,32 +7,35 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# Bytecode of what a run imports, written now with the writing on (PYTHONDONTWRITEBYTECODE unset): pip installs
-# with --no-compile, since byte-compiling every module of every package one at a time took 25 of the 67 s of
-# this setup on 2 cores (torch alone 16 s), and a run imports a third of them. Best effort: a failure here only
-# leaves Python to compile on import.
+# Bytecode of what a run imports, written now with the writing on (PYTHONDONTWRITEBYTECODE unset): the installs
+# write none (pip's --no-compile; uv never does), since byte-compiling every module of every package one at a time
+# took 25 of the 67 s of this setup on 2 cores with pip (torch alone 16 s), and a run imports a third of them. Best
+# effort: a failure here only leaves Python to compile on import.
 warm() {
   env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import $1" >/dev/null 2>&1 || true
-}
-# uv installs what pip would in a fraction of the time (it downloads, builds and unpacks in parallel): pip's own
-# package-choosing settings handed to it (launch/uv_args.py), and pip where that fails or a setting has no match.
-uv_install() {
-  local lines
-  "${pip[@]}" uv >/dev/null 2>&1 && mapfile -t lines < <(.venv/bin/python launch/uv_args.py) &&
-    [ "${#lines[@]}" -gt 1 ] || return 1
-  SSL_CERT_FILE=${lines[0]:-${SSL_CERT_FILE:-}} .venv/bin/uv pip install -q --python .venv/bin/python \
-    "${lines[@]:1}" "$@"
 }
 stamp=.venv/.dstrain-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip=(.venv/bin/python -m pip install -q --no-compile)
   "${pip[@]}" "pip>=21.3" # editable installs from pyproject.toml (PEP 660): Python 3.10.0's pip predates them
+  # uv installs what pip would in a fraction of the time (it downloads, builds and unpacks in parallel; a fresh
+  # setup took 36-46 s against pip's 48-72 s), under pip's own package-choosing settings (launch/uv_args.py);
+  # pip where uv is not to be had, a setting has no uv equivalent, or uv fails.
+  uv=()
+  if "${pip[@]}" uv >/dev/null 2>&1 && mapfile -t lines < <(.venv/bin/python launch/uv_args.py) &&
+    [ "${#lines[@]}" -gt 1 ]; then
+    cert=${lines[0]:-${SSL_CERT_FILE:-}}
+    uv=(env ${cert:+"SSL_CERT_FILE=$cert"} .venv/bin/uv pip install -q --python .venv/bin/python "${lines[@]:1}")
+  fi
+  add() {
+    [ "${#uv[@]}" -gt 0 ] && "${uv[@]}" "$@" || "${pip[@]}" "$@"
+  }
   # torch first and pinned: this resolves to the CPU build on machines without CUDA and keeps
   # deepspeed's own dependency resolution from pulling a CUDA build.
-  uv_install "torch==2.13.0" || "${pip[@]}" "torch==2.13.0"
+  add "torch==2.13.0"
   warm "torch._dynamo, torch._inductor.compile_fx" & # on the core an install leaves idle
-  uv_install -e ".[dev]" || "${pip[@]}" -e ".[dev]"
+  add -e ".[dev]"
   wait
   warm "deepspeed, peft, dstrain.training.trainer, dstrain.cli" & # two at a time: one a core
   warm "datasets, transformers.tokenization_utils_tokenizers, torch.utils.tensorboard, matplotlib.pyplot"
