@@ -21,9 +21,10 @@ FLAGS = {
     "find-links": "--find-links",
     "constraint": "--constraint",
 }
-# settings that change how pip talks or prints, not which packages it picks
-IGNORED = {"default-timeout", "timeout", "retries", "disable-pip-version-check", "no-compile", "quiet",
-           "progress-bar", "root-user-action", "no-cache-dir", "cache-dir", "no-input"}  # fmt: skip
+# settings that change how pip talks, prints or checks where it runs, not which packages it picks
+IGNORED = {"default-timeout", "timeout", "retries", "disable-pip-version-check", "no-compile", "quiet", "verbose",
+           "log", "progress-bar", "root-user-action", "no-cache-dir", "cache-dir", "no-input", "require-virtualenv",
+           "no-warn-script-location", "no-python-version-warning"}  # fmt: skip
 
 
 def uv_args(listed: str) -> tuple[str, list[str]] | None:
