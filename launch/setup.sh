@@ -23,8 +23,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # setup took 36-46 s against pip's 48-72 s), under pip's own package-choosing settings (launch/uv_args.py);
   # pip where uv is not to be had, a setting has no uv equivalent, or uv fails.
   uv=()
-  if "${pip[@]}" uv >/dev/null 2>&1 && mapfile -t lines < <(.venv/bin/python launch/uv_args.py) &&
-    [ "${#lines[@]}" -gt 1 ]; then
+  if "${pip[@]}" uv >/dev/null 2>&1 && settings=$(.venv/bin/python launch/uv_args.py); then
+    mapfile -t lines <<<"$settings"
     cert=${lines[0]:-${SSL_CERT_FILE:-}}
     uv=(env ${cert:+"SSL_CERT_FILE=$cert"} .venv/bin/uv pip install -q --python .venv/bin/python "${lines[@]:1}")
   fi

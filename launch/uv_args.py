@@ -29,19 +29,22 @@ IGNORED = {"default-timeout", "timeout", "retries", "disable-pip-version-check",
 
 def uv_args(listed: str) -> tuple[str, list[str]] | None:
     """(certificate, uv options) for the settings in `pip config list`'s output, None if one has no match."""
-    found: dict[str, tuple[int, str]] = {}
+    entries = []
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         section, _, name = key.rpartition(".")
-        if section in PRECEDENCE and PRECEDENCE[section] >= found.get(name, (-1, ""))[0]:
-            found[name] = (PRECEDENCE[section], ast.literal_eval(value))
+        if section in PRECEDENCE:
+            entries.append((PRECEDENCE[section], name, value))
+    # in order of precedence, the strongest last: its value stays
+    settings = {name: ast.literal_eval(value) for _, name, value in sorted(entries)}
+    cert = settings.pop("cert", "")
     args = ["--index-strategy", "unsafe-best-match"]  # pip's rule: the best version from any index
-    for name, (_, value) in found.items():
+    for name, value in settings.items():
         if name in FLAGS:
             args += [part for item in value.split() for part in (FLAGS[name], item)]
-        elif name not in IGNORED | {"cert"}:
+        elif name not in IGNORED:
             return None
-    return found.get("cert", (0, ""))[1], args
+    return cert, args
 
 
 def main() -> int:
