@@ -43,9 +43,10 @@ def _rank0_exit(procs: list[subprocess.Popen], bound: float) -> tuple[int, str, 
 
 
 @pytest.mark.parametrize("fault", ["hang", "die"])
-def test_the_others_exit_in_bounded_time_naming_the_rank(tmp_path, fault, monkeypatch):
+def test_the_others_exit_in_bounded_time_naming_the_rank(tmp_path, fault, monkeypatch, small_model):
     monkeypatch.setenv(HANG_ENV if fault == "hang" else DIE_ENV, "3:1")
-    procs = _start(tmp_path / fault, ["--max_steps", "100", "--collective_timeout", str(TIMEOUT_S)])
+    args = ["--model", str(small_model), "--max_steps", "100", "--collective_timeout", str(TIMEOUT_S)]
+    procs = _start(tmp_path / fault, args)
     bound = (TIMEOUT_S if fault == "hang" else 0) + REPORT_GRACE_S + 10
     code, text, took = _rank0_exit(procs, bound)
     lines = [x for x in text.splitlines() if x.startswith("dstrain: error:")]

@@ -32,19 +32,21 @@ ARGS = [
 ARGS += ["--no-tensorboard", "--no-plots", "--config", "zero2"]
 
 
-def _torchrun(nnodes: int, node_rank: int, nproc: int, port: int, out: Path, logs: Path) -> subprocess.Popen:
+def _torchrun(node_rank: int, port: int, args: list[str], logs: Path) -> subprocess.Popen:
+    """Node NODE_RANK of 2, one rank each, running tests/helpers/audited.py ARGS (dstrain train, its writes
+    logged)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_WRITE_LOG": str(logs)}
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        str(nnodes),
+        "2",
         "--node_rank",
         str(node_rank),
     ]
-    cmd += ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    cmd += ["tests/helpers/audited.py", *ARGS, "--output_dir", str(out)]
+    cmd += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    cmd += ["tests/helpers/audited.py", *args]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -57,12 +59,13 @@ def _written(logs: Path, rank: int, out: Path) -> set[str]:
     }
 
 
-def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path, rank_pools):
+def test_two_nodes_of_one_rank_train_like_one_node_of_two(tmp_path, rank_pools, small_model):
+    args = [*ARGS, "--model", str(small_model)]
     one = tmp_path / "nodes1"
-    assert rank_pools.run(2, "tests.training.worker:cli_run", [*ARGS, "--output_dir", str(one)]) == [0, 0]
+    assert rank_pools.run(2, "tests.training.worker:cli_run", [*args, "--output_dir", str(one)]) == [0, 0]
     two, two_logs = tmp_path / "nodes2", tmp_path / "writes2"
     port = free_port()
-    procs = [_torchrun(2, k, 1, port, two, two_logs) for k in range(2)]
+    procs = [_torchrun(k, port, [*args, "--output_dir", str(two)], two_logs) for k in range(2)]
     texts = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(t[-2000:] for t in texts)
     losses = [

@@ -6,7 +6,8 @@ launch/slurm.sbatch's srun starts them (one process each, SLURM_PROCID / SLURM_N
 rank's own exit code is seen. (Not torchrun: it starts each rank in a session of its own, exits 1 on SIGTERM
 whatever the ranks return, after forwarding it, and dies of SIGUSR1, which it does not handle.) The straight run,
 the resumed ones and the time limit, which take no signal, run the command's training in the session's pool of
-ranks."""
+ranks. The runs train the session's small model (conftest.py), whose save takes tens of milliseconds: the signal
+repeated to one rank comes every 5 ms, so that some still arrive during the save."""
 
 from __future__ import annotations
 
@@ -79,18 +80,25 @@ def _resume(pools, out, extra: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, rank_pools) -> list[float]:
+def model(small_model) -> list[str]:
+    return ["--model", str(small_model)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, rank_pools, model) -> list[float]:
     """The uninterrupted 10 steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
     out = tmp_path_factory.mktemp("straight")
     assert rank_pools.run(
-        2, "tests.training.worker:cli_run", [*ARGS, "--output_dir", str(out), "--max_steps", "10"]
+        2, "tests.training.worker:cli_run", [*ARGS, *model, "--output_dir", str(out), "--max_steps", "10"]
     ) == [0, 0]
     return _losses(out)
 
 
-def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(straight, rank_pools, tmp_path):
+def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(
+    straight, model, rank_pools, tmp_path
+):
     run = tmp_path / "run"
-    procs = _start(run, ["--max_steps", "10"])
+    procs = _start(run, [*model, "--max_steps", "10"])
     when = random.Random(os.getpid()).randint(2, 6)
     seen = []
     for line in procs[0].stdout:  # rank 0 prints the steps; rank 1 gets the signals
@@ -100,7 +108,7 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(stra
     deadline = time.monotonic() + 120
     while procs[1].poll() is None and time.monotonic() < deadline:
         procs[1].send_signal(signal.SIGTERM)  # repeated: later ones arrive during the save
-        time.sleep(0.05)
+        time.sleep(0.005)
     codes, text = _finish(procs)
     text = "".join(seen) + text
     assert codes == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
@@ -109,15 +117,15 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(stra
     step = int(stopped.split("_")[1])
     assert when <= step < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
-    _resume(rank_pools, run, ["--max_steps", "10"])
+    _resume(rank_pools, run, [*model, "--max_steps", "10"])
     assert _losses(run) == straight
 
 
-def test_time_limit_stops_before_it_is_up(tmp_path, rank_pools):
+def test_time_limit_stops_before_it_is_up(tmp_path, model, rank_pools):
     """--time_limit needs no signal: the command's run on the pool's 2 ranks (its output captured)."""
     out = tmp_path / "limited"
     t0 = time.monotonic()
-    args = [*ARGS, "--output_dir", str(out), "--max_steps", "100000", "--time_limit", "0.1"]
+    args = [*ARGS, *model, "--output_dir", str(out), "--max_steps", "100000", "--time_limit", "0.1"]
     ranks = rank_pools.run(2, "tests.training.worker:cli_out", args)
     text = "".join(r["stdout"] + r["stderr"] for r in ranks)
     assert [r["rc"] for r in ranks] == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
@@ -144,14 +152,14 @@ def _workers_of(pid: int) -> list[int]:
 # SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone
 @pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True)])
 def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
-    sig, kill_worker, straight, rank_pools, tmp_path
+    sig, kill_worker, straight, model, rank_pools, tmp_path
 ):
     """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
     included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
     once the rank has its signal (SIGKILLed here) changes nothing."""
     assert set(WORKER_IGNORED_SIGNALS) == set(SIGNALS)
     run = tmp_path / "run"
-    flags = ["--max_steps", "10", "--num_workers", "1"]
+    flags = [*model, "--max_steps", "10", "--num_workers", "1"]
     procs = _start(run, flags, group=True)
     seen = []
     for line in procs[0].stdout:
