@@ -36,9 +36,9 @@ def trained(tmp_path_factory, rank_pools) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> Path:
-    """A transformers-written tiny V3 folder with a byte tokenizer (tests/helpers/runs.py), for runs about
-    something else than the model (signals, hangs, nodes): a `--model` whose step and checkpoint take a fraction
-    of the default preset's, whose 129K-token vocabulary makes its head 79% of a step."""
+    """A transformers-written tiny V3 folder with a byte tokenizer (tests/helpers/runs.py) for command runs about
+    something else than the default model (signals, hangs, nodes, what a run writes, a routing collapse): its
+    steps and saves take a fraction of the default preset's, whose 129K-token head is 79% of a step."""
     from tests.helpers.runs import hf_source
 
     return hf_source(tmp_path_factory.mktemp("small") / "hf")

@@ -262,7 +262,7 @@ def test_a_folder_that_does_not_fit_is_one_line_before_anything_starts(tmp_path,
         assert "\n" not in err
 
 
-def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path, rank_pools):
+def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path, rank_pools, small_model):
     """One rank on chat data with an eval split: eval rows in metrics.jsonl (at --eval_every and the end),
     TensorBoard events that read back with every metric, the PNG plots, expert_load.jsonl and a valid
     profiler trace of the requested steps; `dstrain plot` redraws them."""
@@ -285,7 +285,7 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path, rank_pools):
         "--seq_len",
         "128",
     ]
-    args += ["--profile_steps", "2:3", "--output_dir", str(out)]
+    args += ["--profile_steps", "2:3", "--model", str(small_model), "--output_dir", str(out)]
     proc = rank_pools.run(1, "tests.training.worker:cli_out", args)[0]  # in the 1-rank pool
     assert proc["rc"] == 0, proc["stdout"][-3000:]
     assert "eval step 2: loss" in proc["stdout"] and "mtp acc" in proc["stdout"]
@@ -317,7 +317,7 @@ def test_watching_a_run_eval_tensorboard_plots_and_trace(tmp_path, rank_pools):
     assert dstrain_main(["plot", str(out)]) == 0 and (out / "plots" / "loss.png").is_file()
 
 
-def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path, rank_pools):
+def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path, rank_pools, small_model):
     """No bias update, no balance loss and a far too high lr: every token goes to the same k experts."""
     from tests.helpers.runs import train
 
@@ -331,6 +331,8 @@ def test_a_run_whose_routing_collapses_is_told_so_once(tmp_path, rank_pools):
         "--max_steps",
         "24",
         "--no-plots",
+        "--model",
+        str(small_model),
     ]
     out = train(rank_pools, [*flags, "--output_dir", str(tmp_path / "run")]).stdout
     assert out.count("dstrain: warning: routing collapsed in layer(s) ") == 1, out[-3000:]
