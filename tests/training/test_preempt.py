@@ -40,6 +40,9 @@ ARGS = [
     "0",
 ]
 ARGS += ["--no-plots", "--no-tensorboard", "--num_workers", "0"]
+# Steps of a run: at least 14 left after the signals start, so a rank cannot finish before they arrive on a
+# busy machine (a step of the small model takes tens of milliseconds)
+STEPS = 20
 
 
 def _start(out, extra: list[str], group: bool = False) -> list[subprocess.Popen]:
@@ -81,15 +84,18 @@ def _resume(pools, out, extra: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def model(small_model) -> list[str]:
+    """The flags of the session's small model, which every run of this module trains."""
     return ["--model", str(small_model)]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, rank_pools, model) -> list[float]:
-    """The uninterrupted 10 steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
+    """The uninterrupted STEPS steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
     out = tmp_path_factory.mktemp("straight")
     assert rank_pools.run(
-        2, "tests.training.worker:cli_run", [*ARGS, *model, "--output_dir", str(out), "--max_steps", "10"]
+        2,
+        "tests.training.worker:cli_run",
+        [*ARGS, *model, "--output_dir", str(out), "--max_steps", str(STEPS)],
     ) == [0, 0]
     return _losses(out)
 
@@ -98,7 +104,7 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(
     straight, model, rank_pools, tmp_path
 ):
     run = tmp_path / "run"
-    procs = _start(run, [*model, "--max_steps", "10"])
+    procs = _start(run, [*model, "--max_steps", str(STEPS)])
     when = random.Random(os.getpid()).randint(2, 6)
     seen = []
     for line in procs[0].stdout:  # rank 0 prints the steps; rank 1 gets the signals
@@ -115,9 +121,9 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(
     assert "stopped after step" in text and "a signal to another rank" in text
     stopped = (run / "checkpoints" / "latest").read_text().strip()
     step = int(stopped.split("_")[1])
-    assert when <= step < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
+    assert when <= step < STEPS and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
-    _resume(rank_pools, run, [*model, "--max_steps", "10"])
+    _resume(rank_pools, run, [*model, "--max_steps", str(STEPS)])
     assert _losses(run) == straight
 
 
@@ -159,7 +165,7 @@ def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
     once the rank has its signal (SIGKILLed here) changes nothing."""
     assert set(WORKER_IGNORED_SIGNALS) == set(SIGNALS)
     run = tmp_path / "run"
-    flags = [*model, "--max_steps", "10", "--num_workers", "1"]
+    flags = [*model, "--max_steps", str(STEPS), "--num_workers", "1"]
     procs = _start(run, flags, group=True)
     seen = []
     for line in procs[0].stdout:
@@ -177,7 +183,7 @@ def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
     assert codes == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
     assert f"({sig})" in text and "Traceback" not in text, text[-3000:]
     stopped = (run / "checkpoints" / "latest").read_text().strip()
-    assert 3 <= int(stopped.split("_")[1]) < 10 and (run / "checkpoints" / stopped / "COMPLETE").is_file()
+    assert 3 <= int(stopped.split("_")[1]) < STEPS and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
     _resume(rank_pools, run, flags)
     assert _losses(run) == straight  # with a worker per rank: the same rows
