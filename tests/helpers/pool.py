@@ -76,7 +76,7 @@ class RankPool:
         waited = time.monotonic() - t0
         failed = {r: rep for r, rep in replies.items() if not rep.get("ok")}
         if len(replies) < self.nproc or failed:
-            self.close()
+            self.close(now=True)
             what = f"{fn}{tuple(args)!r}"
             lines = [f"scenario {what} failed on {self.nproc} ranks"]
             for r in range(self.nproc):
@@ -164,13 +164,15 @@ class RankPool:
             sel.close()
         return replies
 
-    def close(self) -> None:
-        """Stop the ranks (SIGKILL after a moment: a rank may be stuck in a collective)."""
+    def close(self, now: bool = False) -> None:
+        """Stop the ranks: idle ones exit on the end of their input, SIGKILL after a moment (a rank may be stuck
+        in a collective); `now` (after a failure, the pool being discarded) kills them at once: a rank that
+        raised has written its output, one still in the scenario would only be waited for."""
         for p in self.procs:
             if p.poll() is None and p.stdin:
                 with contextlib.suppress(OSError):
                     p.stdin.close()  # an idle rank exits on end of input
-        stop = time.monotonic() + 5
+        stop = time.monotonic() + (0 if now else 5)
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.1, stop - time.monotonic()))
