@@ -28,11 +28,11 @@ def read_weights(ckpt):
     return iter_weights(Path(ckpt))
 
 
-def hf_source(path: Path) -> Path:
-    """A transformers-written tiny V3 folder extended with an MTP layer (bf16, 2 shards) and a byte
-    tokenizer (so dstrain's data pipeline fits its 320-token vocabulary)."""
+def hf_source(path: Path, cfg=None) -> Path:  # noqa: ANN001 - a transformers config
+    """A transformers-written tiny V3 folder (or `cfg`'s model, tests/helpers/hf.py) extended with an MTP layer
+    (bf16, 2 shards) and a byte tokenizer (so dstrain's data pipeline fits its 320-token vocabulary)."""
     path.mkdir(parents=True)
-    official_folder(path)
+    official_folder(path, cfg=cfg)
     byte_tokenizer().save_pretrained(path)
     return path
 
