@@ -28,8 +28,12 @@ tmp=$(mktemp -d)
 # The second session's share, sized for a fresh machine, whose empty Inductor cache makes its compile tests the
 # slower (~90 s more than with a warm one, against ~10 s for the first): the busiest last. (The memory measurement
 # went back to the first once the signal, hang and node tests trained a small model: the first session had ended
-# 86-114 s before the second; the DeepSpeed templates' runs too, once the second still ended ~35 s after it.)
-moved=(tests/training/test_compile.py)
+# 86-114 s before the second; so did the DeepSpeed templates' runs and the compiled PP and EP layouts, once the
+# second still ended 35-70 s after it.)
+compiled=tests/training/test_compile.py
+moved=("$compiled::test_compiled_matches_eager_over_20_steps"
+  "$compiled::test_compiled_layouts_match_one_process[compiled_z3-4]"
+  "$compiled::test_compiled_layouts_match_one_process[compiled_tp2-2]")
 (
   DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
     tests/model/common/test_experts.py tests/model/deepseek_v3/test_parity.py tests/model/common/test_dsa.py \

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,37 +230,6 @@ class ScenarioResults:
         key = (self.fn, self.args, name)
         values = self.pools.cached(key, self.nproc, self.fn, *self.args, name, timeout=self.timeout)
         return values if self.all_ranks else values[0]
-
-
-@contextlib.contextmanager
-def one_compile_at_a_time(lock: str) -> Iterator[None]:
-    """The ranks of a scenario take turns at Inductor's compiles (`lock`, a file they share): ranks whose graphs
-    are the same (data, ZeRO, tensor and expert parallelism) would each trace, lower and generate them at once
-    (their kernels' builds only are shared); in turn, the second loads the first's from AOTAutograd's and
-    Inductor's caches (a 2-rank ZeRO-2 scenario: 22 CPU-s of compiling on the first rank, 9 on the second).
-    Each backward graph is compiled with its forward, so that the cache entry is whole when the lock passes,
-    and graphs holding dstrain's autograd Functions are cached too (their forward and backward are traced into
-    the graph, and so into its key). No collective runs inside a compile: the rank holding the lock never keeps
-    a peer waiting in one."""
-    import torch._functorch.config as aot_config
-    import torch._inductor.compile_fx as inductor
-    from torch.utils._filelock import FileLock
-
-    compile_fx = inductor.compile_fx  # what Dynamo's "inductor" backend calls, looked up at each compile
-    turn = FileLock(lock)
-
-    def in_turn(*args: Any, **kwargs: Any) -> Any:
-        with turn:
-            return compile_fx(*args, **kwargs)
-
-    inductor.compile_fx = in_turn
-    try:
-        with aot_config.patch(
-            force_non_lazy_backward_lowering=True, autograd_cache_allow_custom_autograd_functions=True
-        ):
-            yield
-    finally:
-        inductor.compile_fx = compile_fx
 
 
 # DeepSpeed's cache of the process groups it made (deepspeed.utils.groups), emptied with the groups themselves
