@@ -26,10 +26,9 @@ fi
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 # The second session's share, sized for a fresh machine, whose empty Inductor cache makes its compile tests the
-# slower (~90 s more than with a warm one, against ~10 s for the first): the busiest last. (The memory measurement
-# went back to the first once the signal, hang and node tests trained a small model: the first session had ended
-# 86-114 s before the second; so did the DeepSpeed templates' runs and the compiled PP and EP layouts, once the
-# second still ended 35-70 s after it.)
+# slower (~90 s more than with a warm one, against ~10 s for the first): the busiest last. The compiled PP and EP
+# layouts, the DeepSpeed templates and the memory measurement run in the first, which otherwise ended 35-114 s
+# before the second.
 compiled=tests/training/test_compile.py
 moved=("$compiled::test_compiled_matches_eager_over_20_steps"
   "$compiled::test_compiled_layouts_match_one_process[compiled_z3-4]"

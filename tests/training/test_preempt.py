@@ -89,22 +89,28 @@ def model(small_model) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, rank_pools, model) -> list[float]:
+def run_flags(model) -> list[str]:
+    """A whole run's flags: the small model for STEPS steps."""
+    return [*model, "--max_steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, rank_pools, run_flags) -> list[float]:
     """The uninterrupted STEPS steps' losses (no DataLoader workers: any --num_workers gives the same rows)."""
     out = tmp_path_factory.mktemp("straight")
     assert rank_pools.run(
         2,
         "tests.training.worker:cli_run",
-        [*ARGS, *model, "--output_dir", str(out), "--max_steps", str(STEPS)],
+        [*ARGS, *run_flags, "--output_dir", str(out)],
     ) == [0, 0]
     return _losses(out)
 
 
 def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(
-    straight, model, rank_pools, tmp_path
+    straight, run_flags, rank_pools, tmp_path
 ):
     run = tmp_path / "run"
-    procs = _start(run, [*model, "--max_steps", str(STEPS)])
+    procs = _start(run, run_flags)
     when = random.Random(os.getpid()).randint(2, 6)
     seen = []
     for line in procs[0].stdout:  # rank 0 prints the steps; rank 1 gets the signals
@@ -123,7 +129,7 @@ def test_signal_to_one_rank_stops_all_with_a_checkpoint_and_resume_is_exact(
     step = int(stopped.split("_")[1])
     assert when <= step < STEPS and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
-    _resume(rank_pools, run, [*model, "--max_steps", str(STEPS)])
+    _resume(rank_pools, run, run_flags)
     assert _losses(run) == straight
 
 
@@ -158,14 +164,14 @@ def _workers_of(pid: int) -> list[int]:
 # SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone
 @pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True)])
 def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
-    sig, kill_worker, straight, model, rank_pools, tmp_path
+    sig, kill_worker, straight, run_flags, rank_pools, tmp_path
 ):
     """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
     included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
     once the rank has its signal (SIGKILLed here) changes nothing."""
     assert set(WORKER_IGNORED_SIGNALS) == set(SIGNALS)
     run = tmp_path / "run"
-    flags = [*model, "--max_steps", str(STEPS), "--num_workers", "1"]
+    flags = [*run_flags, "--num_workers", "1"]
     procs = _start(run, flags, group=True)
     seen = []
     for line in procs[0].stdout:
