@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tests.helpers.compile_turns import share_compiles
 from tests.helpers.tiny import ROOT
 from tests.helpers.trainer import GlobalRows, eval_rows, make_options, make_trainer
 
@@ -198,6 +199,7 @@ COMPILED = {
 
 
 def compiled(info, out: str, name: str) -> list[dict[str, float]]:  # noqa: ANN001
+    share_compiles()  # the ranks compile each graph they have in common once (tests/helpers/compile_turns.py)
     args = f"{COMPILED[name]} --micro_batch_size 2 --save_every 0 --clip_grad 0.5 --precision fp32"
     tr = make_trainer(_opts(args), f"{out}/{name}", info)
     tr.run()
