@@ -4,10 +4,14 @@ test_preempt.py), so rank 0's own exit code and time are seen while rank 1 is st
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 
@@ -42,13 +46,26 @@ def _rank0_exit(procs: list[subprocess.Popen], bound: float) -> tuple[int, str, 
             p.communicate(timeout=30)
 
 
-@pytest.mark.parametrize("fault", ["hang", "die"])
-def test_the_others_exit_in_bounded_time_naming_the_rank(tmp_path, fault, monkeypatch, small_model):
-    monkeypatch.setenv(HANG_ENV if fault == "hang" else DIE_ENV, "3:1")
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory, small_model) -> Iterator[dict[str, Future]]:
+    """Both faults' runs side by side (most of each is waiting: the timeout, the report's grace): fault -> the
+    future of `_rank0_exit`'s (exit code, output, seconds)."""
     args = ["--model", str(small_model), "--max_steps", "100", "--collective_timeout", str(TIMEOUT_S)]
-    procs = _start(tmp_path / fault, args)
-    bound = (TIMEOUT_S if fault == "hang" else 0) + REPORT_GRACE_S + 10
-    code, text, took = _rank0_exit(procs, bound)
+    out = tmp_path_factory.mktemp("hang")
+    waits = ThreadPoolExecutor(2)
+    futures = {}
+    for fault, env in (("hang", HANG_ENV), ("die", DIE_ENV)):
+        with mock.patch.dict(os.environ, {env: "3:1"}):
+            procs = _start(out / fault, args)
+        bound = (TIMEOUT_S if fault == "hang" else 0) + REPORT_GRACE_S + 10
+        futures[fault] = waits.submit(_rank0_exit, procs, bound)
+    yield futures
+    waits.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_the_others_exit_in_bounded_time_naming_the_rank(fault, exits):
+    code, text, took = exits[fault].result()
     lines = [x for x in text.splitlines() if x.startswith("dstrain: error:")]
     print(f"{fault}: rank 0 exited {took:.1f} s after step 2: {lines}")
     assert code == PEER_LOST_EXIT_CODE, text[-3000:]
