@@ -29,10 +29,12 @@ tmp=$(mktemp -d)
 # slower (~90 s more than with a warm one, against ~10 s for the first): the busiest last. The compiled PP and EP
 # layouts (EP2 finds PP2's graphs in the cache) and the memory measurement run in the first, which otherwise ended
 # 35-114 s before the second; the DeepSpeed templates' runs and a launcher's config error in the second, which
-# ended 15-25 s before the first.
+# ended 15-25 s before the first, and the installed wheel's runs (the second ended 45 s before the first once
+# Inductor's C++ went without SIMD).
 compiled=tests/training/test_compile.py
 moved=("tests/config/test_ds_file.py::test_other_projects_templates_run_or_are_refused_in_one_line"
   "tests/training/test_cli.py::test_config_error_under_launcher_is_one_line"
+  "tests/test_install.py::test_wheel_runs_train_export_and_plot_outside_the_checkout"
   "$compiled::test_compiled_matches_eager_over_20_steps"
   "$compiled::test_compiled_layouts_match_one_process[compiled_z3-4]"
   "$compiled::test_compiled_layouts_match_one_process[compiled_tp2-2]")
