@@ -6,7 +6,8 @@ write the same entry of Inductor's FX graph cache. `share_compiles` makes the lo
 until the compile that missed has put the graph in the cache: the first rank to ask compiles it, the others wait
 on a file lock named by the key (no collective runs inside a compile, so a waiting rank holds nothing the first
 needs) and then load it. Graphs that differ between ranks (pipeline stages) have different keys and compile side
-by side as before. The compiled code is Inductor's own, from its cache, as when a later run of the same layout finds it there."""
+by side as before. The compiled code is Inductor's own, from its cache, as when a later run of the same layout
+finds it there."""
 
 from __future__ import annotations
 
