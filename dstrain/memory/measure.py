@@ -1,15 +1,16 @@
 """Peak memory of live tensors on a CPU, where torch has no `max_memory_allocated`.
 
 `AllocationTracker` runs the block under torch's profiler with `profile_memory=True`, following user scopes
-only (the phases; no operators): torch's CPU allocator then reports every allocation and free (bytes, address, time) made on the threads the profiler follows (this
-one, the autograd engine's, the collectives' it hands work to). The running sum of those events is the bytes
-of live tensor storage allocated since the block began, temporaries inside kernels included, and its maximum
-is the CPU analogue of `torch.cuda.max_memory_allocated` minus what was alive before: what
-`dstrain.memory.estimate` predicts. Unlike resident memory it counts no Python objects, shared libraries,
-thread stacks, allocator caches or page cache. Not counted: tensors alive before the block (their frees are
-ignored) and allocations on threads the profiler does not follow. A free on such a thread is not reported
-either; the allocation is closed when its address is allocated again (see `_replay`), and a caller that runs
-several identical steps can compare their starts (launch/bench_plan.py does).
+only (the phases, no operators): torch's CPU allocator then reports every allocation and free (bytes, address,
+time) made on the threads the profiler follows (this one, the autograd engine's, the collectives' it hands
+work to). The running sum of those events is the bytes of live tensor storage allocated since the block began,
+temporaries inside kernels included, and its maximum is the CPU analogue of `torch.cuda.max_memory_allocated`
+minus what was alive before: what `dstrain.memory.estimate` predicts. Unlike resident memory it counts no
+Python objects, shared libraries, thread stacks, allocator caches or page cache. Not counted: tensors alive
+before the block (their frees are ignored) and allocations on threads the profiler does not follow. A free on
+such a thread is not reported either; the allocation is closed when its address is allocated again (see
+`_replay`), and a caller that runs several identical steps can compare their starts (launch/bench_plan.py
+does).
 
 Named phases (`with tracker.phase("step 1"):`) report their own peak and the live bytes at their start.
 """
@@ -53,6 +54,7 @@ class AllocationTracker:
 
         # The allocator's events and the phases' spans only: torch's `profile()` also records every operator,
         # which made the tracked steps ~25% slower and its event tree several times larger to walk.
+        # (state, input shapes, memory, stacks, flops, modules, experimental): memory only
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         _prepare_profiler(config, {ProfilerActivity.CPU})
         _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
