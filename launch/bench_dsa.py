@@ -51,7 +51,7 @@ from dstrain.memory.measure import AllocationTracker  # noqa: E402
 from dstrain.model import DeepSeekLM, ModelConfig  # noqa: E402
 from dstrain.model.common.attention import attention_layout  # noqa: E402
 from dstrain.model.common.dsa import kernel_path  # noqa: E402
-from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.common.kernels import cpu_bf16_path  # noqa: E402
 from dstrain.model.sources import init_weights  # noqa: E402
 
 STAGES = ("dense MLA", "DSA dense stage", "DSA sparse stage")
@@ -273,7 +273,7 @@ def main() -> None:
     keep_freed_memory()
     torch.set_num_threads(torch.get_num_threads())
     path = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "threads": torch.get_num_threads(),
-            "cpu_native_bf16": CPU_NATIVE_BF16, "dtype": str(dtype).removeprefix("torch."),
+            "cpu_bf16_path": cpu_bf16_path(), "dtype": str(dtype).removeprefix("torch."),
             "sparse_kernels": kernel_path(device, dtype)}  # fmt: skip
     for indexer in ("random", "local") if indexer_kinds == "both" else (indexer_kinds,):
         for t in (int(x) for x in lengths.split(",")):

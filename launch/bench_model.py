@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from dstrain.hostalloc import keep_freed_memory  # noqa: E402
 from dstrain.model import ModelConfig, build_model, flops_per_token, save_pretrained  # noqa: E402
 from dstrain.model.common.experts import grouped_mm_ok  # noqa: E402
-from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.common.kernels import CPU_NATIVE_BF16, cpu_bf16_path  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MALLOC = "glibc default"
@@ -230,7 +230,7 @@ def kernel_path(cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
-        "cpu_native_bf16": CPU_NATIVE_BF16,
+        "cpu_bf16_path": cpu_bf16_path(),
         "compute_dtype": str(compute).removeprefix("torch."),
         "experts": "grouped_mm" if grouped else "per-group loop (grouped_mm cannot take these sizes/dtype)",
         "malloc": MALLOC,

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
 from dstrain.model import DeepSeekV4LM, V4Config  # noqa: E402
-from dstrain.model.common.kernels import CPU_NATIVE_BF16  # noqa: E402
+from dstrain.model.common.kernels import cpu_bf16_path  # noqa: E402
 from tests.helpers.v4 import randomize_v4  # noqa: E402
 
 # tests/helpers/v4.py's V4_SHAPE scaled up; the published compress rates, transformers' default rope.
@@ -205,9 +205,7 @@ def main() -> None:
     args = p.parse_args()
     kinds = {"both": ["saved", "rss"], "none": []}.get(args.memory, [args.memory])
 
-    kernel = "native bf16 (AVX512-BF16/AMX)" if CPU_NATIVE_BF16 else "bf16 computed in fp32 (no bf16 unit)"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"dstrain.model.common.kernels.CPU_NATIVE_BF16={CPU_NATIVE_BF16}: {kernel}")  # fmt: skip
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU bf16 path: {cpu_bf16_path()}")
     ids = torch.randint(
         0, SHAPE["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1)
     )

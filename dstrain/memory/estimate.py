@@ -33,7 +33,9 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
 
 Approximated or not modelled: routing is balanced (uneven expert loads change the rows per rank), plain
 causal rows (packed documents add a (B, 1, T, T) mask where SDPA runs them: CUDA without a varlen kernel),
-sequence parallelism only divides the tokens, LoRA's trained share as spread over the layers like the
+sequence parallelism only divides the tokens, a CPU computing bf16 in fp32 (no bf16 units,
+`kernels.CPU_NATIVE_BF16` false: its linears and attention save fp32 copies, 1.6x the bf16 activations of a
+tiny model) as the native bf16 path, LoRA's trained share as spread over the layers like the
 parameters, torch.compile as eager, and the rope tables, biases and routing counts (well under 1%) are left out.
 """
 

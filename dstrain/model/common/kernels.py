@@ -4,6 +4,9 @@ CPUs without bf16 instructions (no AVX512-BF16 / AMX) run bf16 GEMMs and attenti
 fp32 ones. There, bf16 linears and attention compute in fp32 and round their outputs to bf16: the semantics of
 bf16 kernels with fp32 accumulation, at fp32 speed. GPUs and bf16-capable CPUs use native bf16.
 
+`DSTRAIN_CPU_BF16=native|emulated` forces either CPU bf16 path whatever the CPU has (`auto`, the default, asks
+the CPU), so one machine tests both: native bf16 kernels still run on a CPU without bf16 units, only slower.
+
 `DSTRAIN_KERNEL_POLICY=cuda` makes every such decision take its CUDA branch on the CPU wherever the operation
 exists there (the varlen attention kernels are replaced by a CPU reference of the same signature), so the
 tests run the GPU-side logic on a machine without a GPU; `auto` (the default) follows the tensors' device.
@@ -19,10 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CPU_NATIVE_BF16 = bool(
+CPU_HAS_BF16 = bool(
     getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 )
+CPU_BF16 = os.environ.get("DSTRAIN_CPU_BF16", "auto")
+if CPU_BF16 not in ("auto", "native", "emulated"):
+    raise ValueError(f"DSTRAIN_CPU_BF16={CPU_BF16!r}: expected auto, native or emulated")
+CPU_NATIVE_BF16 = CPU_HAS_BF16 if CPU_BF16 == "auto" else CPU_BF16 == "native"
+"""Whether bf16 work on the CPU runs torch's bf16 kernels (else fp32 compute with bf16 outputs)."""
+
+
+def cpu_bf16_path() -> str:
+    """The CPU bf16 kernel path in words, and why it was taken (`dstrain env`, the benchmarks)."""
+    path = "native bf16 kernels" if CPU_NATIVE_BF16 else "emulated: fp32 compute, bf16 outputs"
+    units = "AVX512-BF16/AMX" if CPU_HAS_BF16 else "no bf16 units"
+    why = f"forced by DSTRAIN_CPU_BF16={CPU_BF16}" if CPU_BF16 != "auto" else "auto"
+    return f"{path} ({units}; {why})"
 
 
 KERNEL_POLICY = os.environ.get("DSTRAIN_KERNEL_POLICY", "auto")

@@ -130,3 +130,32 @@ def test_an_idle_experts_weight_gradient_is_exactly_zero(cuda_policy, monkeypatc
         assert torch.equal(gate_up.grad[2], torch.zeros_like(gate_up.grad[2]))
         assert torch.equal(down.grad[2], torch.zeros_like(down.grad[2]))
         assert len(reads) == (1 if capability == (8, 0) else 0)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "native"])
+def test_cpu_bf16_path_is_the_one_forced_and_named(native, monkeypatch):
+    """Either CPU bf16 path is taken whatever this CPU has (kernels.CPU_NATIVE_BF16): the compute dtype of a bf16
+    CPU tensor follows it (the CUDA policy computes in bf16 either way), and `cpu_bf16_path` names it."""
+    monkeypatch.setattr(kernels, "CPU_NATIVE_BF16", native)
+    monkeypatch.setattr(kernels, "CPU_BF16", "native" if native else "emulated")
+    x = torch.ones(2, 3, dtype=torch.bfloat16)
+    want = torch.bfloat16 if native or kernels.KERNEL_POLICY == "cuda" else torch.float32
+    assert kernels.compute_dtype(x) == want and kernels.compute_dtype(x.float()) == torch.float32
+    path = kernels.cpu_bf16_path()
+    assert path.startswith("native bf16" if native else "emulated: fp32 compute")
+    assert path.endswith(f"forced by DSTRAIN_CPU_BF16={'native' if native else 'emulated'})")
+
+
+def test_dstrain_cpu_bf16_is_read_at_start_and_a_wrong_value_is_one_line(monkeypatch):
+    """The variable sets the path of a whole process, read when the module loads (run afresh here, the loaded
+    module untouched); a value it does not know is a ValueError naming it."""
+    import runpy
+
+    for value, native in (("emulated", False), ("native", True)):
+        monkeypatch.setenv("DSTRAIN_CPU_BF16", value)
+        fresh = runpy.run_path(kernels.__file__)
+        assert fresh["CPU_NATIVE_BF16"] is native
+        assert fresh["cpu_bf16_path"]().endswith(f"forced by DSTRAIN_CPU_BF16={value})")
+    monkeypatch.setenv("DSTRAIN_CPU_BF16", "fast")
+    with pytest.raises(ValueError, match="DSTRAIN_CPU_BF16='fast': expected auto, native or emulated"):
+        runpy.run_path(kernels.__file__)
