@@ -24,6 +24,7 @@ from .pipeline import make_sample_encoder
 from .tokenizer import PretrainEncoder
 
 FATAL = {"skipped_no_assistant"}
+NOTES = {"chosen": " (preference pairs read for SFT: the prompt and the chosen completion)"}
 CHUNK = 256
 
 
@@ -46,7 +47,13 @@ def marked(text: str, offsets: list, labels: np.ndarray, color: bool) -> str:
 
 
 def run_audit(
-    opts: DataOptions, tok, n: int = 3, max_docs: int = 1000, color: bool | None = None, out=None
+    opts: DataOptions,
+    tok,
+    n: int = 3,
+    max_docs: int = 1000,
+    color: bool | None = None,
+    out=None,
+    objective: str | None = None,
 ) -> dict:
     out = out or sys.stdout
     color = out.isatty() if color is None else color
@@ -55,7 +62,7 @@ def run_audit(
         if skip.reason in FATAL:
             raise DataError(f"data: {skip} in {where}")
 
-    sources, docs, skipped = read_docs(opts, max_docs, fatal)
+    sources, docs, skipped = read_docs(opts, max_docs, fatal, objective)
     if not docs:
         raise no_usable_sample(opts, max_docs, 0, skipped)
     sft = sources[0].fmt != "text"
@@ -63,7 +70,8 @@ def run_audit(
     lengths = []
     legend = "green" if color else "[[between double brackets]]"
     print(
-        f"# {opts.data}: format {sources[0].fmt}, seq_len {opts.seq_len}; trained tokens are {legend}",
+        f"# {opts.data}: format {sources[0].fmt}{NOTES.get(sources[0].fmt, '')}, seq_len {opts.seq_len}; "
+        f"trained tokens are {legend}",
         file=out,
     )
     if sft:

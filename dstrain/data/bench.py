@@ -34,10 +34,13 @@ STEADY_ROWS = 100
 MIN_TIMED_TOKENS = 200_000
 
 
-def read_docs(opts: DataOptions, max_docs: int | None, on_skip=None) -> tuple[list, list, Counter]:
+def read_docs(
+    opts: DataOptions, max_docs: int | None, on_skip=None, objective: str | None = None
+) -> tuple[list, list, Counter]:
     """(sources, [(doc, origin)], skip counts) of one pass over every source in order, at most `max_docs`
-    documents. `on_skip(skip, where)` may raise to turn a skip into an error."""
-    sources = resolve_sources(opts)
+    documents. `on_skip(skip, where)` may raise to turn a skip into an error; `objective`: read as a run of
+    that --objective would (sources.resolve_sources)."""
+    sources = resolve_sources(opts, objective)
     counts: Counter = Counter()
 
     def count(skip: Skip, origin) -> None:
@@ -153,9 +156,11 @@ def naive_fill(opts: DataOptions, tok, docs: list, fmt: str) -> float:
     return sum(lengths) / max(1, sum(math.ceil(n / opts.seq_len) for n in lengths) * opts.seq_len)
 
 
-def run_stats(opts: DataOptions, tok, max_docs: int | None = None, rounds: int = 3) -> dict:
+def run_stats(
+    opts: DataOptions, tok, max_docs: int | None = None, rounds: int = 3, objective: str | None = None
+) -> dict:
     t0 = time.perf_counter()
-    sources, docs, skipped = read_docs(opts, max_docs)
+    sources, docs, skipped = read_docs(opts, max_docs, objective=objective)
     read_s = time.perf_counter() - t0
     fmt = sources[0].fmt
     encoder = make_encoder(opts, tok, fmt) if docs else None  # built once, as each loader stream does

@@ -32,6 +32,13 @@ def build_parser() -> ArgumentParser:
     for p in (audit, stats):
         add_arguments(p)
         add_debug(p)
+        p.add_argument(
+            "--objective",
+            choices=("sft", "dpo"),
+            default=None,
+            help="read the data as a run of this --objective does (dpo: pairs only; sft: a pair's chosen "
+            "side); default: as the data is",
+        )
         # --model as `dstrain train` spells it; --model_path as earlier versions did
         p.add_argument(
             "--model",
@@ -64,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
         from .audit import run_audit
 
         color = None if args.color == "auto" else args.color == "always"
-        run_audit(opts, tok, n=args.n, max_docs=args.max_docs, color=color)
+        run_audit(opts, tok, n=args.n, max_docs=args.max_docs, color=color, objective=args.objective)
     else:
         from .bench import run_stats
 
-        stats = run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds)
+        stats = run_stats(opts, tok, max_docs=args.max_docs, rounds=args.rounds, objective=args.objective)
         print(json.dumps(stats) if args.json else readable(stats))
     return 0

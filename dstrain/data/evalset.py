@@ -24,9 +24,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def build_eval_rows(opts: DataOptions, tokenizer: PreTrainedTokenizerBase) -> dict[str, torch.Tensor] | None:
+def build_eval_rows(
+    opts: DataOptions, tokenizer: PreTrainedTokenizerBase, objective: str | None = None
+) -> dict[str, torch.Tensor] | None:
     """(N, seq_len) LongTensors `input_ids`, `labels`, `position_ids` of the whole eval set (the first rows
-    holding --eval_tokens tokens), or None when the options define no eval set."""
+    holding --eval_tokens tokens), or None when the options define no eval set. `objective`: as
+    `build_loader`'s."""
     if not opts.evaluates:
         return None
     fixed = dict(shuffle=False, num_workers=0)
@@ -36,7 +39,7 @@ def build_eval_rows(opts: DataOptions, tokenizer: PreTrainedTokenizerBase) -> di
     else:
         what = f"--eval_split {opts.eval_split} of --data {opts.data}"
         read = dataclasses.replace(opts, **fixed)
-    stream = Stream(resolve_sources(read), read, tokenizer, 1, epochs=1, split="eval")
+    stream = Stream(resolve_sources(read, objective), read, tokenizer, 1, epochs=1, split="eval")
     rows: list[dict[str, np.ndarray]] = []
     while not opts.eval_tokens or stream.stats["tokens"] < opts.eval_tokens:
         batch = stream.next_batch()

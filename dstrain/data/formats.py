@@ -13,8 +13,10 @@ takes it off).
   turns are assistant tool calls (a JSON `{"name", "arguments"}` or a list of them) and tool results. An
   optional `system` column is the system prompt unless the chat starts with its own; an optional `tools`
   column (a list, or JSON text of one) holds the tool definitions.
-- preference (DPO pairs): `chosen` + `rejected` with or without `prompt` (`normalize_pair`: the prompt, chosen
-  and rejected messages; preference.py describes the formats and encodes the pairs).
+- preference (DPO pairs): `chosen` + `rejected` with or without `prompt` (TRL, LLaMA-Factory, UltraFeedback),
+  or a chat + `rejected_response` (ms-swift) (`normalize_pair`: the prompt, chosen and rejected messages;
+  preference.py describes the layouts and encodes the pairs). Read by an SFT run they are format `chosen`:
+  the prompt and the chosen completion as one chat, the rejected completion never read.
 - instruction: `instruction` + optional `input` + `output` (Alpaca), or `instruction` + `instances[]` with
   `input` / `output` (Self-Instruct; one sample per instance). The prompt is the instruction, followed by a
   blank line and the input when the input is not empty; the output is the assistant reply. LLaMA-Factory's
@@ -68,7 +70,13 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
     cols = set(columns)
     chat = next((c for c in CHAT_FIELDS if c in cols), None)
     instruction = "instruction" in cols and ("output" in cols or "instances" in cols)
-    preference = "chosen" in cols and "rejected" in cols
+    # TRL's and LLaMA-Factory's `chosen` + `rejected`, or ms-swift's chat + `rejected_response`
+    preference = ("chosen" in cols and "rejected" in cols) or (
+        chat is not None and "rejected_response" in cols
+    )
+    half = _half_pair(cols, chat)  # a preference layout recognised, and what it lacks
+    if half and requested in ("auto", "preference") and not (preference or chat or instruction):
+        raise DataError(f"data: {where}: {half} (columns {_listing(cols)})")
     if requested == "auto":
         if preference:  # before chat: UltraFeedback's pairs come with a `messages` column too
             return "preference"
@@ -92,11 +100,24 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
             f"data: missing field 'messages' or 'conversations' in {where} (columns {sorted(cols)})"
         )
     if requested == "preference" and not preference:
-        raise DataError(f"data: missing field 'chosen' or 'rejected' in {where} (columns {sorted(cols)})")
+        raise DataError(
+            f"data: missing field 'chosen' or 'rejected' (or 'messages' + 'rejected_response') in {where} "
+            f"(columns {_listing(cols)})"
+        )
     if requested == "instruction" and not instruction:
         missing = "instruction" if "instruction" not in cols else "output' or 'instances"
         raise DataError(f"data: missing field '{missing}' in {where} (columns {sorted(cols)})")
     return requested
+
+
+def _half_pair(cols: set, chat: str | None) -> str:
+    """What a preference layout recognised by one of its columns lacks, or ''."""
+    if "rejected_response" in cols and chat is None:
+        return "ms-swift's preference layout (rejected_response) without its chat: missing field 'messages'"
+    if ("chosen" in cols) != ("rejected" in cols) and chat is None and "prompt" in cols:
+        have, lack = ("chosen", "rejected") if "chosen" in cols else ("rejected", "chosen")
+        return f"preference pairs ({have!r} beside 'prompt') without the other side: missing field {lack!r}"
+    return ""
 
 
 def _listing(cols) -> str:
@@ -111,8 +132,9 @@ def needed_columns(fmt: str, columns: list[str], text_field: str) -> list[str]:
         wanted = [text_field]
     elif fmt == "chat":
         wanted = [*CHAT_FIELDS, "system", "tools", *MEDIA_FIELDS]
-    elif fmt == "preference":
-        wanted = ["prompt", "chosen", "rejected", "system", *MEDIA_FIELDS]
+    elif fmt in ("preference", "chosen"):
+        wanted = ["prompt", "chosen", "rejected", "rejected_response", *CHAT_FIELDS, "instruction", "input"]
+        wanted += ["system", *MEDIA_FIELDS]
     else:
         wanted = ["instruction", "input", "output", "instances", "system", "history", *MEDIA_FIELDS]
     return [c for c in wanted if c in columns]
@@ -131,6 +153,7 @@ class Skip(Exception):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+        self.source: int | None = None  # set by the source reader that skipped a record (pipeline.py)
 
 
 class Normalizer:
@@ -151,6 +174,9 @@ class Normalizer:
             return [self._chat(row, where)]
         if self.fmt == "preference":
             return [normalize_pair(row, where)]
+        if self.fmt == "chosen":  # pairs read for SFT: the rejected completion is never a target
+            pair = normalize_pair(row, where)
+            return [pair["prompt"] + pair["chosen"]]
         return self._instruction(row, where)
 
     def _text(self, row: dict, where) -> str:
@@ -229,9 +255,22 @@ def _check_text(text: str, where) -> None:
         raise Skip("skipped_undecodable", "undecodable bytes (U+FFFD)")
 
 
+def _completion(value, name: str, where) -> list[dict]:
+    """One completion -> its messages: a text (one assistant turn), one message (LLaMA-Factory's
+    `{"from": "gpt", "value"}`) or a message list (`normalize_pair` checks that it has a reply to train)."""
+    if isinstance(value, dict):
+        value = [value]
+    if value is None:
+        raise Skip("skipped_missing_field", f"missing field {name!r}")
+    if value == [] or (isinstance(value, str) and not value.strip()):
+        raise Skip("skipped_empty", f"empty {name!r} completion")
+    return _pair_turns(value, name, where, "assistant")
+
+
 def _pair_turns(value, name: str, where, default_role: str) -> list[dict]:
     """A text or a message list -> messages (a text is one turn of `default_role`)."""
     if isinstance(value, str):
+        _check_text(value, where)
         return [{"role": default_role, "content": value}]
     if not isinstance(value, list) or not value:
         raise Skip("skipped_missing_field", f"missing or empty field {name!r}")
@@ -243,36 +282,79 @@ def _pair_turns(value, name: str, where, default_role: str) -> list[dict]:
     return messages
 
 
+def _swift_pair(row: dict, where) -> tuple:
+    """ms-swift's layout: `messages` (or `conversations`) ending with the chosen reply, `rejected_response`
+    the rejected one -> (prompt messages, chosen, rejected)."""
+    key = next((k for k in CHAT_FIELDS if row.get(k) is not None), "messages")
+    turns = _pair_turns(row.get(key), key, where, "user")
+    if turns[-1]["role"] != "assistant":
+        raise Skip(
+            "skipped_no_assistant",
+            f"ms-swift's layout ({key} + rejected_response) but {key!r} does not end with the chosen reply",
+        )
+    return (
+        turns[:-1],
+        _completion(turns[-1:], "chosen", where),
+        _completion(row["rejected_response"], "rejected_response", where),
+    )
+
+
+def _prompt_of(row: dict, where) -> tuple[list[dict] | None, bool]:
+    """(the record's explicit prompt: a `prompt` column, LLaMA-Factory's `conversations` / `messages` or
+    Alpaca's `instruction` + `input`, or None; whether it is a `prompt` message list, which TRL always takes
+    as explicit)."""
+    prompt = row.get("prompt")
+    if prompt is not None:
+        return _pair_turns(prompt, "prompt", where, "user"), isinstance(prompt, list)
+    key = next((k for k in CHAT_FIELDS if row.get(k) is not None), None)
+    if key is not None:
+        return _pair_turns(row[key], key, where, "user"), False
+    if row.get("instruction") is not None:
+        instruction, given = str(row["instruction"]), str(row.get("input") or "")
+        text = instruction if not given.strip() else f"{instruction}\n\n{given}"
+        return _pair_turns(text, "instruction", where, "user"), False
+    return None, False
+
+
 def normalize_pair(row: dict, where) -> dict:
-    """A record -> `{"prompt": [...], "chosen": [...], "rejected": [...]}` messages (raises Skip)."""
-    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
-    for name, value in (("chosen", chosen), ("rejected", rejected)):
-        if value is None:
-            raise Skip("skipped_missing_field", f"missing field {name!r}")
-    conversational = isinstance(chosen, list)
-    if prompt is not None and isinstance(prompt, list) == conversational:
-        head = _pair_turns(prompt, "prompt", where, "user")
-        c, r = (
-            _pair_turns(chosen, "chosen", where, "assistant"),
-            _pair_turns(rejected, "rejected", where, "assistant"),
-        )
-    elif conversational and isinstance(rejected, list):
-        full_c, full_r = (
-            _pair_turns(chosen, "chosen", where, "user"),
-            _pair_turns(rejected, "rejected", where, "user"),
-        )
-        k = 0
-        while k < min(len(full_c), len(full_r)) and full_c[k] == full_r[k]:
-            k += 1
-        head, c, r = full_c[:k], full_c[k:], full_r[k:]
+    """A record -> `{"prompt": [...], "chosen": [...], "rejected": [...]}` messages (raises Skip). The
+    layouts: preference.py's docstring."""
+    if row.get("chosen") is None and row.get("rejected") is None and row.get("rejected_response") is not None:
+        head, c, r = _swift_pair(row, where)
     else:
-        raise Skip("skipped_missing_field", "missing field 'prompt' (text completions need one)")
+        c, r = (
+            _completion(row.get("chosen"), "chosen", where),
+            _completion(row.get("rejected"), "rejected", where),
+        )
+        head, listed = _prompt_of(row, where)
+        # Whole conversations (UltraFeedback, HH-RLHF as chats) carry their prompt: the messages both share
+        # from the start (TRL's extract_prompt); a text prompt or a `messages` column beside them is ignored,
+        # as TRL's maybe_extract_prompt does. Completions that start with the reply take the record's prompt.
+        if (c[0]["role"] != "assistant" or r[0]["role"] != "assistant") and not listed:
+            k = 0
+            while k < min(len(c), len(r)) and c[k] == r[k]:
+                k += 1
+            head, c, r = c[:k], c[k:], r[k:]
+        elif head is None:
+            single = isinstance(row.get("chosen"), dict)
+            raise Skip(
+                "skipped_missing_field",
+                "LLaMA-Factory's layout (chosen / rejected as single messages) without its prompt: missing "
+                "field 'conversations' or 'messages'"
+                if single
+                else "missing field 'prompt' (completions that start with the reply need one)",
+            )
     system = row.get("system")
     if isinstance(system, str) and system.strip() and not (head and head[0]["role"] == "system"):
+        _check_text(system, where)
         head = [{"role": "system", "content": system}, *head]
     for name, side in (("chosen", c), ("rejected", r)):
-        if not any(m["role"] == "assistant" for m in side):
+        replies = [m for m in side if m["role"] == "assistant"]
+        if not replies:
             raise Skip("skipped_no_assistant", f"{name} completion without an assistant turn")
+        # `""`, `[]` and an empty reply alike: an end-of-turn-only target teaches nothing of the preference
+        if not any(m["content"].strip() or m.get("tool_calls") for m in replies):
+            raise Skip("skipped_empty", f"empty {name!r} completion")
     # the prompt's own assistant turns (earlier turns of a conversation) are context, never targets
     head = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in head]
     return {"prompt": head, "chosen": c, "rejected": r}

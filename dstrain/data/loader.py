@@ -17,6 +17,7 @@ the rows it still needs itself, from the same position, and the checkpoint saves
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import threading
@@ -32,16 +33,17 @@ from dstrain.errors import DataError
 
 from .chat import ChatEncoder
 from .options import DataOptions
-from .pipeline import STAT_KEYS, Stream
+from .pipeline import STAT_KEYS, Stream, first_pass_line
 from .sources import Source, resolve_sources
 from .tokenizer import special_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+log = logging.getLogger("dstrain.data")
 FORMAT = "dstrain.data.Loader/2"
 SNAPSHOT_EVERY = 8  # rows of one stream between the snapshots a worker sends
-WORKER_IGNORED_SIGNALS = ("SIGTERM", "SIGUSR1")  # the stop signals of training/preempt.py
+WORKER_IGNORED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")  # the stop signals of training/preempt.py
 
 
 def _not_stopping() -> bool:
@@ -195,6 +197,7 @@ class _Workers(torch.utils.data.IterableDataset):
                     "snapshot": snap,
                     "stats": dict(stream.stats),
                     "epoch": stream.epoch,
+                    "first_pass": stream.first_pass,
                 }
                 row += n
         except DataError as e:  # re-raised in the training process with the same one-line message
@@ -247,6 +250,8 @@ class Loader:
         self._states: dict[int, dict] = {s: {"stream": None, "replay": 0} for s in self._mine}
         self._stats: dict[int, dict] = {s: {} for s in self._mine}
         self._epochs: dict[int, int] = dict.fromkeys(self._mine, 0)
+        self._first: dict[int, list] = {s: [None] * len(self._sources) for s in self._mine}
+        self._said: set[int] = set()  # sources whose first pass this rank has said
 
     @property
     def sft(self) -> bool:
@@ -268,8 +273,27 @@ class Loader:
             stream = self._live[s]
             row = stream.next_batch()
             self._stats[s], self._epochs[s] = stream.stats, stream.epoch
+            self._first[s] = stream.first_pass
         self._rows_done += 1
+        self._say_first_passes()
         return row
+
+    def _say_first_passes(self) -> None:
+        """A line per source once each of this rank's streams has passed over its share of it: records,
+        samples, and what was skipped, dropped or truncated, by reason (data-parallel rank 0 says its own)."""
+        if self.dp_rank != 0 or len(self._said) == len(self._sources):
+            return
+        share = f" (this rank's {len(self._mine)} of {self.streams} streams)" if self.dp_world > 1 else ""
+        for i, src in enumerate(self._sources):
+            passes = [self._first[s][i] for s in self._mine]
+            if i in self._said or any(p is None for p in passes):
+                continue
+            self._said.add(i)
+            # a tiny source that some stream read whole (its share held no sample): that stream saw each record
+            whole = next((p for p in passes if p.get("whole")), None)
+            counts = Counter(whole) if whole else sum(map(Counter, passes), Counter())
+            lost, line = first_pass_line(src.spec, counts, self.opts.seq_len, "" if whole else share)
+            log.log(logging.WARNING if lost else logging.INFO, "%s", line)
 
     def _row_from_workers(self, s: int) -> dict | None:
         """Stream `s`'s next row from the workers; None when one died while this process is stopping."""
@@ -304,6 +328,7 @@ class Loader:
         else:
             self._states[s] = {**state, "replay": state["replay"] + 1}
         self._stats[s], self._epochs[s] = item["stats"], item["epoch"]
+        self._first[s] = item["first_pass"]
         return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in item["row"].items()}
 
     @property
@@ -362,6 +387,7 @@ class Loader:
             stream = self._states[s]["stream"] or {}
             self._stats[s] = dict(stream.get("stats", {}))
             self._epochs[s] = min((r["epoch"] for r in stream.get("readers", [])), default=0)
+            self._first[s] = stream.get("first_pass") or [None] * len(self._sources)
 
     def close(self) -> None:
         """Stop the worker processes (a later `next()` restarts them from the current state). Whoever is done
@@ -385,15 +411,17 @@ def build_loader(
     dp_rank: int = 0,
     dp_world: int = 1,
     seed: int = 0,
+    objective: str | None = None,
 ) -> Loader:
     """Resolve and check the data and tokenizer up front (errors surface here, in the training process, as
-    one-line `DataError`s), then return this rank's `Loader`."""
+    one-line `DataError`s), then return this rank's `Loader`. `objective`: the run's --objective (sources.
+    resolve_sources: `dpo` needs pairs, `sft` reads pairs' chosen side)."""
     if micro_batch_size < 1:
         raise DataError(f"micro_batch_size must be >= 1 (got {micro_batch_size})")
     if not (0 <= dp_rank < dp_world):
         raise DataError(f"dp_rank must be in [0, dp_world) (got dp_rank={dp_rank}, dp_world={dp_world})")
     special_ids(tokenizer)
-    sources = resolve_sources(opts)
+    sources = resolve_sources(opts, objective)
     if sources[0].fmt != "text":
         ChatEncoder(
             tokenizer, opts.sft_turns, opts.think
@@ -404,13 +432,17 @@ def build_loader(
     return Loader(opts, tokenizer, micro_batch_size, sources, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
 
 
-def epoch_rows(opts: DataOptions, tokenizer: PreTrainedTokenizerBase) -> int:
+def epoch_rows(opts: DataOptions, tokenizer: PreTrainedTokenizerBase, objective: str | None = None) -> int:
     """Packed rows of one pass over the training data, counted by reading, tokenizing and packing it all as
     the loader does (one stream; the last rows flushed partly filled): what `--epochs` turns into steps."""
-    stream = Stream(resolve_sources(opts), opts, tokenizer, 8, 0, 1, 0, epochs=1)
+    stream = Stream(resolve_sources(opts, objective), opts, tokenizer, 8, 0, 1, 0, epochs=1)
     n = 0
     while rows := stream.rows(64):
         n += len(rows)
+    for src, first in zip(stream.sources, stream.first_passes()):
+        if first is not None:
+            lost, line = first_pass_line(src.spec, first, opts.seq_len)
+            log.log(logging.WARNING if lost else logging.INFO, "%s", line)
     if not n:
         raise DataError(f"data: no usable sample in a whole epoch of {opts.data}")
     return n

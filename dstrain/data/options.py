@@ -30,9 +30,9 @@ class DataOptions:
     (`a.jsonl:0.7,b.parquet:0.3`)."""
 
     data_format: Format = "auto"
-    """auto|text|chat|instruction|preference. auto: `chosen` + `rejected` -> preference (pairs for --objective
-    dpo), `messages`/`conversations` -> chat, `instruction` -> instruction, else the text field -> text
-    (pretraining)."""
+    """auto|text|chat|instruction|preference. auto: `chosen` + `rejected` (or a chat + `rejected_response`) ->
+    preference (pairs for --objective dpo; SFT trains their chosen side), `messages`/`conversations` -> chat,
+    `instruction` -> instruction, else the text field -> text (pretraining)."""
 
     text_field: str = "text"
     """Column holding the document text for the text format."""

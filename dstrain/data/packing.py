@@ -100,9 +100,10 @@ Pull = Callable[[int], list]  # n -> up to n (doc, origin) pairs; [] only when a
 class PretrainPacker:
     """Concatenate tokenized documents (EOS appended) and cut rows of exactly `seq_len` tokens."""
 
-    def __init__(self, seq_len: int, encoder, pull: Pull, stats: dict, packing: bool = True):
+    def __init__(self, seq_len: int, encoder, pull: Pull, stats: dict, packing: bool = True, on_sample=None):
         self.seq_len, self.encoder, self.pull = seq_len, encoder, pull
         self.stats, self.packing = stats, packing
+        self.on_sample = on_sample  # (origin, kept) -> None, once per document that reaches the packer
         self.pending: deque = deque()  # [doc, origin, ids]
         self.head = 0  # tokens of pending[0] already emitted
         self.avg = 256.0
@@ -114,6 +115,8 @@ class PretrainPacker:
         encoded = self.encoder.encode([d for d, _ in docs])
         self.avg = 0.8 * self.avg + 0.2 * (sum(len(e) for e in encoded) / len(encoded))
         self.stats["documents"] += len(docs)
+        for _, origin in docs if self.on_sample is not None else ():
+            self.on_sample(origin, True)
         self.pending.extend([d, o, e] for (d, o), e in zip(docs, encoded))
         return True
 
@@ -157,11 +160,23 @@ class BestFitPacker:
     """Whole SFT samples into rows by best-fit decreasing over a pool (see the module docstring)."""
 
     def __init__(
-        self, seq_len, encoder, pull: Pull, stats: dict, *, pack_buffer, packing, overlong, on_skip, seed
+        self,
+        seq_len,
+        encoder,
+        pull: Pull,
+        stats: dict,
+        *,
+        pack_buffer,
+        packing,
+        overlong,
+        on_skip,
+        seed,
+        on_sample=None,
     ):
         self.seq_len, self.encoder, self.pull, self.stats = seq_len, encoder, pull, stats
         self.pack_buffer, self.packing, self.overlong = pack_buffer, packing, overlong
         self.on_skip = on_skip  # (Skip, origin) -> None: counts it, or raises under --strict
+        self.on_sample = on_sample  # (origin, kept) -> None, once per sample checked (after its notes)
         self.seed = seed
         self.pool: list[list] = []  # [doc, origin, age, Encoded]
         self.queue: deque = deque()  # rows, each a list of pool items
@@ -175,10 +190,13 @@ class BestFitPacker:
             return None, [enc]
         notes: list = []
         if len(enc.ids) > self.seq_len:
+            n, what = len(enc.ids), "pair" if hasattr(enc, "pieces") else "sample"
             if self.overlong == "drop":
-                return None, ["dropped"]
+                return None, [
+                    Skip("dropped", f"a {what} of {n} tokens, longer than --seq_len {self.seq_len}")
+                ]
             enc = enc.truncated(self.seq_len)
-            notes.append("truncated")
+            notes.append(Skip("truncated", f"a {what} of {n} tokens cut to --seq_len {self.seq_len}"))
         if not enc.targets:
             return None, [*notes, Skip("skipped_no_target", "no assistant token to train on")]
         return enc, notes
@@ -188,14 +206,13 @@ class BestFitPacker:
         for (doc, origin), enc in zip(docs, self.encoder.encode([d for d, _ in docs])):
             enc, notes = self._check(enc)
             for note in notes if count else ():
-                if isinstance(note, Skip):
-                    self.on_skip(note, origin)
-                else:
-                    self.stats[note] += 1
+                self.on_skip(note, origin)
             if enc is not None:
                 if count:
                     self.stats["documents"] += 1
                 items.append([doc, origin, 0, enc])
+            if count and self.on_sample is not None:
+                self.on_sample(origin, enc is not None)
         return items
 
     def rejections(self, docs: list) -> Counter:
@@ -204,7 +221,7 @@ class BestFitPacker:
         for enc in self.encoder.encode([d for d, _ in docs]) if docs else ():
             enc, notes = self._check(enc)
             if enc is None:
-                out[notes[-1].reason if isinstance(notes[-1], Skip) else notes[-1]] += 1
+                out[notes[-1].reason] += 1
         return out
 
     def holds_samples(self) -> bool:

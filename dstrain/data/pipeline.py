@@ -53,6 +53,7 @@ STAT_KEYS = (
     "held_out",
 )
 _M64 = (1 << 64) - 1
+_WARNED: set = set()  # (skip reason, source) said in this process
 _START = {"epoch": 0, "pos": 0, "row": 0, "sub": 0, "rows": 0, "docs": 0}  # a reader's state at the start
 RECOUNT_DOCS = 100_000  # records read again to name the skip reasons when nothing is usable
 # what a bare counter name does not say
@@ -80,6 +81,19 @@ def skip_summary(counts, seq_len: int) -> str:
         note = _NOTES.get(k, "").format(seq_len=seq_len)
         parts.append(f"{counts[k]} {k}{f' ({note})' if note else ''}")
     return ", ".join(parts) or "nothing"
+
+
+def first_pass_line(spec: str, counts: dict, seq_len: int, share: str = "") -> tuple[bool, str]:
+    """(whether anything was skipped, dropped or truncated; the line that says a source's first pass)."""
+    rest = Counter(counts)
+    records, samples, truncated = rest.pop("records", 0), rest.pop("samples", 0), rest.pop("truncated", 0)
+    rest.pop("whole", None)
+    cut = f", {truncated} truncated (to --seq_len {seq_len})" if truncated else ""
+    lost = truncated or any(v and (k.startswith("skipped") or k == "dropped") for k, v in rest.items())
+    return bool(lost), (
+        f"data: first pass over {spec}{share}: {records} records -> {samples} samples; skipped: "
+        f"{skip_summary(rest, seq_len)}{cut}"
+    )
 
 
 def mix64(*keys: int) -> int:
@@ -148,6 +162,7 @@ class SourceReader:
         self.epoch, self.pos, self.row, self.sub = st["epoch"], st["pos"], st["row"], st["sub"]
         self.epoch_rows, self.epoch_docs = st["rows"], st["docs"]
         self.epoch_skips = Counter(st.get("skips", {}))  # this epoch's, to name them if nothing is left
+        self.first: dict | None = st.get("first")  # epoch 0's records, documents and skips, once it ended
         self.read_error = ""
         self._gen = None
         self._datasets: dict = {}
@@ -162,6 +177,7 @@ class SourceReader:
             "docs": self.epoch_docs,
             "skips": dict(self.epoch_skips),
             "whole": self.whole,
+            "first": self.first,
         }
 
     def order(self, epoch: int) -> list[int]:
@@ -186,6 +202,12 @@ class SourceReader:
                 self._whole()
                 continue  # the same epoch again, over the whole source
             self._check_epoch()
+            if self.epoch == 0:
+                self.first = {
+                    "records": self.epoch_rows,
+                    "docs": self.epoch_docs,
+                    "skips": dict(self.epoch_skips),
+                }
             self.epoch, self.pos, self.epoch_rows, self.epoch_docs = self.epoch + 1, 0, 0, 0
             self.epoch_skips, self.read_error = Counter(), ""
 
@@ -202,6 +224,7 @@ class SourceReader:
 
     def on_skip(self, skip: Skip, origin) -> None:
         self.epoch_skips[skip.reason] += 1
+        skip.source = self.index  # a record's skip, counted in this reader's epoch (not the packer's)
         self.report(skip, origin)
 
     def _check_epoch(self) -> None:
@@ -351,7 +374,10 @@ class Stream:
         if st and (st.get("version") != STATE_VERSION or st.get("consumers") != [consumer, n_consumers]):
             raise DataError("data: loader state was saved for another --data_streams or version")
         self.stats: Counter = Counter(st.get("stats", {}))
-        self._warned: set = set()
+        # Per source: what the packer made of the documents of its first pass (checked, kept, notes by reason)
+        # and, once it has checked them all, the pass's summary (`first_pass_line`; the loader says it).
+        self.packed = [Counter(c) for c in st.get("packed") or [{}] * len(sources)]
+        self.first_pass: list[dict | None] = list(st.get("first_pass") or [None] * len(sources))
         readers_state = st.get("readers") or [None] * len(sources)
         self.readers = [
             SourceReader(
@@ -377,10 +403,12 @@ class Stream:
                 overlong=opts.overlong,
                 on_skip=self._on_skip,
                 seed=mix64(seed, consumer, 3),
+                on_sample=self._on_sample,
             )
         else:
+            encoder = PretrainEncoder(tok, opts.add_bos)
             self.packer = PretrainPacker(
-                opts.seq_len, PretrainEncoder(tok, opts.add_bos), self._pull, self.stats, opts.packing
+                opts.seq_len, encoder, self._pull, self.stats, opts.packing, on_sample=self._on_sample
             )
         if st.get("packer"):
             self.packer.load_state_dict(st["packer"])
@@ -394,19 +422,54 @@ class Stream:
             self.stats[skip.reason] += 1
             return
         message = f"{skip}{' in ' + self.where(origin) if origin is not None else ''}"
-        if self.opts.strict and skip.reason != "skipped_files":
+        # a bad record; not an over-long sample, which --overlong decides about
+        if self.opts.strict and skip.reason.startswith("skipped_") and skip.reason != "skipped_files":
             raise DataError(f"data: {message} (skipped without --strict)")
         self.stats[skip.reason] += 1
-        if skip.reason not in self._warned:
-            self._warned.add(skip.reason)
+        if skip.source is None and origin is not None and self.first_pass[origin[0]] is None:
+            self.packed[origin[0]][skip.reason] += 1  # the packer's note on a sample of the first pass
+        # once per process (a worker's streams, or a tiny source that several streams read whole)
+        source = skip.source if skip.source is not None else origin[0] if origin is not None else None
+        said = (skip.reason, None if source is None else self.sources[source].spec)
+        if said not in _WARNED:
+            _WARNED.add(said)
+            verb = {"dropped": "dropping", "truncated": "truncating"}.get(skip.reason, "skipping")
+            hint = {"dropped": "--overlong truncate keeps them; "}.get(skip.reason, "")
             log.warning(
-                "skipping: %s (counted in stats[%r]; further ones are only counted)", message, skip.reason
+                "data: %s: %s (%sfurther ones are counted: a line per source at the end of its first pass)",
+                verb,
+                message,
+                hint,
             )
+
+    def _on_sample(self, origin, kept: bool) -> None:
+        if origin is not None and self.first_pass[origin[0]] is None:
+            self.packed[origin[0]].update(checked=1, kept=int(kept))
+            self._close_first_pass(origin[0])
+
+    def first_passes(self) -> list[dict | None]:
+        """Per source, its first pass's summary (`first_pass_line`), or None while the pass goes on."""
+        for i in range(len(self.readers)):
+            self._close_first_pass(i)
+        return self.first_pass
+
+    def _close_first_pass(self, i: int) -> None:
+        """Source `i`'s first pass summed up once its reader has ended the pass and the packer has checked as
+        many of its samples as the pass gave (the shuffle buffer may swap a few for the next pass's copies)."""
+        first = self.readers[i].first
+        if self.first_pass[i] is not None or first is None or self.packed[i]["checked"] < first["docs"]:
+            return
+        notes = {k: v for k, v in self.packed[i].items() if k not in ("checked", "kept")}
+        summary = Counter(first["skips"]) + Counter(notes)
+        self.first_pass[i] = {"records": first["records"], "samples": self.packed[i]["kept"], **summary}
+        if self.readers[i].whole:  # every record of the source, not this stream's share (the loader's sum)
+            self.first_pass[i]["whole"] = 1
 
     def _pull(self, n: int) -> list:
         # Guard against spinning forever when every sample is rejected after tokenization. Samples the
         # packer holds are progress too: a data set smaller than its pool is accepted once, and its copies
         # wait (uncounted) until the pooled ones are placed in rows.
+        self.first_passes()
         epochs = [r.epoch for r in self.readers]
         if self.stats["documents"] != self._progress[0] or (self.sft and self.packer.holds_samples()):
             self._progress = (self.stats["documents"], epochs)
@@ -486,4 +549,6 @@ class Stream:
             "docs": self.docs.state_dict(),
             "packer": self.packer.state_dict(),
             "stats": stats,
+            "packed": [dict(c) for c in self.packed],
+            "first_pass": self.first_pass,
         }

@@ -1,14 +1,19 @@
 """Preference pairs (DPO): records -> (prompt, chosen, rejected) chats (`formats.normalize_pair`) -> one packed
 sample of two documents (here).
 
-The formats TRL documents for preference data (its "preference" type), detected by `chosen` and `rejected`
-columns:
-- explicit prompt: `prompt` + `chosen` + `rejected`, each a text or a message list (a text prompt is one user
-  turn, a text completion one assistant turn);
-- implicit prompt: `chosen` and `rejected` whole conversations (UltraFeedback, HH-RLHF as chats): the messages
-  they share from the start are the prompt (TRL's `extract_prompt`); a `prompt` column of another kind than the
-  completions (UltraFeedback's text prompt beside conversations) is ignored, as TRL's `maybe_extract_prompt`
-  does. An optional `system` column is the system prompt unless the prompt has its own.
+The layouts read, detected by `chosen` and `rejected` columns or a chat with `rejected_response`:
+- TRL's explicit prompt: `prompt` + `chosen` + `rejected`, each a text or a message list, mixed freely (a text
+  prompt is one user turn, a text completion one assistant turn);
+- TRL's implicit prompt: `chosen` and `rejected` whole conversations, that is starting with a user or system
+  turn (UltraFeedback, HH-RLHF as chats): the messages they share from the start are the prompt (TRL's
+  `extract_prompt`); a text `prompt` or a `messages` column beside them (UltraFeedback's) is ignored, as TRL's
+  `maybe_extract_prompt` does;
+- LLaMA-Factory's: the prompt in `conversations` / `messages` (or Alpaca's `instruction` + `input`), `chosen`
+  and `rejected` single messages (or texts);
+- ms-swift's: `messages` ending with the chosen reply, `rejected_response` the rejected reply's text.
+An optional `system` column is the system prompt unless the prompt has its own. An empty completion is a
+skip (`skipped_empty`), as is a layout recognised without its prompt. An SFT run reads pairs as their prompt
+and chosen completion (`formats.Normalizer`, format `chosen`).
 
 Both completions are rendered after the prompt with the chat template; only the completion's assistant replies
 (with their end-of-turn token) are targets, so a sequence's log-probability is the completion's. A pair is one

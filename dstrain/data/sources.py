@@ -282,10 +282,21 @@ def _decode_json(value, t):
     if value is None or not _has_json(t):
         return value
     if getattr(t, "extension_name", None) == "arrow.json":
-        return json.loads(value)
+        return _json_field(value)
     if isinstance(value, list):
         return [_decode_json(v, t.value_type) for v in value]
     return {k: _decode_json(v, t.field(k).type) for k, v in value.items()}
+
+
+def _json_field(text: str):
+    """A value of a field `datasets` stored as JSON text. It stores a text that parses as JSON to its own
+    parser ("7", "1.", "007", "true") as written, unquoted (datasets/utils/json.py, json_encode_field), so a
+    text comes back as itself: only a list, an object, a JSON string or null is read as JSON."""
+    try:
+        value = json.loads(text)
+    except ValueError:  # "1.", "007": text its parser took for JSON, not Python's
+        return text
+    return value if value is None or isinstance(value, (list, dict, str)) else text
 
 
 def table_columns(table, names: list[str]) -> dict[str, list]:
@@ -388,19 +399,44 @@ def check_local_sources(opts: DataOptions) -> None:
                 resolve(one, weight)
 
 
-def resolve_sources(opts: DataOptions) -> list[Source]:
-    """All sources of `opts.data` with their format detected; the formats must agree on pretrain vs SFT."""
-    from .formats import detect_format
+def resolve_sources(opts: DataOptions, objective: str | None = None) -> list[Source]:
+    """All sources of `opts.data` with their format detected; the formats must agree on pretrain vs SFT.
+    `objective` (a run's --objective; None: the data tools, which read the data as it is): `dpo` refuses a
+    source that is not preference pairs, `sft` reads preference pairs' chosen side only (format `chosen`)."""
+    from .formats import _listing, detect_format
 
     sources = [resolve(spec, weight) for spec, weight in split_spec(opts.data)]
     for src in sources:
         table = first_table(src, opts)
         src.columns = list(table.column_names)
         src.fmt = detect_format(opts.data_format, src.columns, opts.text_field, src.shard_name(0), opts)
-    kinds = {src.fmt if src.fmt in ("text", "preference") else "sft" for src in sources}
+        if objective == "dpo" and src.fmt != "preference":
+            raise DataError(
+                f"data: --objective dpo trains on preference pairs, but {src.spec} reads as {src.fmt} data "
+                f"(columns {_listing(src.columns)}): give pairs (`chosen` + `rejected`, or `messages` + "
+                "`rejected_response`: docs/training.md, preference tuning) or drop --objective dpo"
+            )
+        if objective == "sft" and src.fmt == "preference":
+            # SFT on the preferred completions, the first stage of DPO without an SFT model: never the rejected
+            src.fmt = "chosen"
+            _say_once(
+                f"data: {src.spec} holds preference pairs and this run is SFT: it trains each pair's prompt "
+                "and chosen completion, never the rejected one (--objective dpo trains on the pairs)"
+            )
+    kinds = {src.fmt if src.fmt in ("text", "preference") else "sft" for src in sources}  # chosen: SFT
     if len(kinds) > 1:
         listing = ", ".join(f"{s.spec}={s.fmt}" for s in sources)
         raise DataError(
             f"data: cannot mix pretraining text, chat/instruction and preference sources ({listing})"
         )
     return sources
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """A note on the data, once per process (the training and eval sets resolve the same sources)."""
+    if line not in _said:
+        _said.add(line)
+        log.warning("%s", line)

@@ -173,3 +173,18 @@ def test_a_small_shard_is_read_once_then_from_memory(tmp_path, monkeypatch):
     monkeypatch.undo()
     list(sources_mod.read_shard(src, 0, 3, opts, fresh))
     assert ("tables", 0) not in fresh
+
+
+def test_a_column_of_texts_and_message_lists_reads_each_as_written(tmp_path):
+    """Issue 59.4: `datasets` stores a column whose type varies as JSON text, but keeps a text that its own
+    parser reads as JSON ("1.", "007", "7", "true") unquoted; each comes back as the text it was written."""
+    reply = [{"role": "assistant", "content": "1."}]
+    rows = [
+        {"prompt": "Count to one.", "chosen": "1.", "rejected": "007"},
+        {"prompt": [{"role": "user", "content": "Count to one."}], "chosen": reply, "rejected": "2."},
+        {"prompt": "Say 7", "chosen": "7", "rejected": "true"},
+    ]
+    docs = all_docs(DataOptions(data=write_jsonl(tmp_path / "mixed.jsonl", rows)))
+    completions = [(d["chosen"][0]["content"], d["rejected"][0]["content"]) for d in docs]
+    assert completions == [("1.", "007"), ("1.", "2."), ("7", "true")]
+    assert [d["prompt"][0]["content"] for d in docs] == ["Count to one.", "Count to one.", "Say 7"]
