@@ -85,8 +85,9 @@ class ParallelDims:
     def validate(self, cfg: Any, zero_stage: int, *, offload: bool = False) -> None:
         """One-line ValueErrors for layouts this model (a config of any family) or ZeRO stage cannot take."""
         family = family_of(cfg)
-        if self.tp > 1:
-            family.refuse("tp", f"--tp {self.tp}")
+        for layout in ("tp", "pp", "ep", "sp"):  # what a family does not build is refused in its own words
+            if getattr(self, layout) > 1:
+                family.refuse(layout, f"--{layout} {getattr(self, layout)}")
         if self.tp > 1:
             if cfg.num_attention_heads % self.tp:
                 raise ValueError(f"--tp {self.tp} must divide num_attention_heads {cfg.num_attention_heads}")

@@ -1,0 +1,44 @@
+"""Kimi Linear (Moonshot's `kimi_linear`): KDA layers (common/kda.py) interleaved with NoPE MLA, V3-style MoE.
+config.py, presets.py, attention.py (NoPE MLA), model.py, state_dict.py (the key table), flops.py.
+
+GLM-5.3-Flash (`glm5_next`) is planned as a family of its own (`glm5_next/`), not a variant of this one: it
+shares KDA, MLA and the MoE through common/, but its blocks carry V4's mHC streams, its MLA layers DSA over
+k-pools with shared indexers, and it has MTP and a vision tower: a different block, key table and config.json."""
+
+from ..common.family import Family
+from . import flops
+from .config import KimiLinearConfig
+from .model import KimiLinearLM
+from .presets import PRESETS
+from .state_dict import keeps_fp32, open_folder, to_hf, write_config
+
+_NOT_YET = "for Kimi Linear yet; it trains on one process or data parallel with ZeRO"
+FAMILY = Family(
+    name="kimi_linear",
+    config=KimiLinearConfig,
+    model=KimiLinearLM,
+    model_types=(KimiLinearConfig.model_type,),
+    presets=PRESETS,
+    open_folder=open_folder,
+    to_hf=to_hf,
+    write_config=write_config,
+    keeps_fp32=keeps_fp32,
+    param_counts=flops.param_counts,
+    flops_per_token=flops.flops_per_token,
+    checkpointing=("none", "full"),
+    # KDA's q, k, v projections and MLA's (q_proj: no query compression) key/value up-projection, both
+    # layers' output, the shared experts
+    lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
+    unsupported={
+        "tp": f"tensor parallelism (KDA's heads split over the ranks) is not built {_NOT_YET}",
+        "sp": f"sequence parallelism (KDA's state over whole rows after the all-to-all) is not built {_NOT_YET}",
+        "pp": f"pipeline parallelism is not tested {_NOT_YET}",
+        "ep": f"expert parallelism is not tested {_NOT_YET}",
+        "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
+        "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
+        "activations); its parameters are `dstrain.model.param_counts`",
+        "dpo": "DPO is not tested on Kimi Linear yet; it trains with the language-model objective",
+    },
+)
+
+__all__ = ["FAMILY", "KimiLinearConfig", "KimiLinearLM"]

@@ -1,0 +1,212 @@
+"""Kimi Linear's causal LM as plain single-device PyTorch: KDA layers (common/kda.py) and NoPE MLA layers
+(attention.py), each followed by a dense SwiGLU MLP or a V3-style MoE (sigmoid routing with the correction bias,
+shared experts; common/layers.py).
+
+Module names are transformers' `KimiLinearForCausalLM` names minus `model.`, except a KDA layer's, which are the
+published checkpoint's (three short convolutions, the forget gate's tensors directly under `self_attn`); the key
+table (state_dict.py) maps the MoE's `mlp.` to the files' `block_sparse_moe.`. Packed rows: MLA attends within
+each document, and KDA's state and short convolutions restart where a document starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dstrain.batch import real_tokens, sequence_halo
+
+from ..common.attention import AttentionLayout, attention_layout
+from ..common.kda import KDA, document_starts
+from ..common.layers import MLP, Experts, RMSNorm, Router, sequence_balance, update_expert_bias
+from ..common.loss import Head, combine_losses, lm_losses
+from ..common.output import ModelOutput
+from .attention import NoPEMLA
+from .config import KimiLinearConfig
+
+A_LOG_SHAPE = (1, 1)  # Kimi's checkpoints hold A_log as (1, 1, H, 1)
+
+
+class MoE(nn.Module):
+    seq_parallel: Any = None
+
+    def __init__(self, cfg: KimiLinearConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, shared) if shared else None
+
+    def forward(
+        self, x: torch.Tensor, real: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> output, sequence-balance loss, expert load (E,); `real` (B, T): positions holding a token."""
+        b, t, d = x.shape
+        scores, idx, weights = self.gate(x.reshape(-1, d))
+        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        normed = scores / scores.sum(dim=-1, keepdim=True)
+        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
+        return out, aux, load
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.kda = cfg.is_kda_layer(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kda:
+            h = cfg.linear_num_heads
+            self.self_attn = KDA(cfg.hidden_size, h, cfg.linear_head_dim, cfg.linear_conv_kernel_dim,
+                                 cfg.rms_norm_eps, a_log_shape=(*A_LOG_SHAPE, h, 1))  # fmt: skip
+        else:
+            self.self_attn = NoPEMLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, starts: torch.Tensor | None):  # noqa: ANN201
+        """-> (x, balance loss or None, expert load or None)."""
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, starts) if self.kda else self.self_attn(h, layout))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            out, aux, load = self.mlp(h, layout.real)
+            return x + out, aux, load
+        return x + self.mlp(h), None, None
+
+
+class KimiLinearLM(nn.Module):
+    """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), update_expert_bias(),
+    set_activation_checkpointing(), run_block() / finish()."""
+
+    seq_parallel: Any = None  # not built for this family (Family.unsupported)
+    indexer_figures_per_slice = False
+
+    def __init__(self, cfg: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Head(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.mtp = nn.ModuleList()  # no multi-token prediction
+        self.moe_layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        self.activation_checkpointing = "none"
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def blocks(self) -> list[Block]:
+        return list(self.layers)
+
+    def routers(self) -> list[Router]:
+        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
+
+    def indexers(self) -> list[nn.Module]:
+        return []
+
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
+
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """'full' (or True): every block recomputed in backward; 'none' (or False): nothing."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        if mode not in ("none", "full"):
+            raise ValueError(f"activation checkpointing {mode!r}: Kimi Linear runs none or full")
+        self.activation_checkpointing = mode
+
+    def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
+        """Each block compiled on its own, in place (names and state dict unchanged), and the head's loss."""
+        for block in self.blocks():
+            block.compile(**options)
+        self.lm_head.compile_loss(**options)
+
+    @property
+    def halo(self) -> int:
+        return sequence_halo(0)
+
+    def streams_of(self, embedded: torch.Tensor) -> torch.Tensor:
+        return embedded
+
+    def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> tuple:
+        """What every block reads besides the hidden states: (attention layout, document starts)."""
+        b, t = position_ids.shape
+        return self.context(position_ids, b, t, position_ids.device)
+
+    def context(
+        self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
+    ) -> tuple[AttentionLayout, torch.Tensor | None]:
+        layout = attention_layout(position_ids, b, t, device)
+        layout.real = real_tokens(position_ids)
+        starts = None if layout.causal_only else document_starts(position_ids)
+        return layout, starts
+
+    def run_block(self, block: Block, h: torch.Tensor, layout: AttentionLayout, starts: torch.Tensor | None):  # noqa: ANN201
+        """One block (recomputed in backward under 'full' activation checkpointing) -> (h, aux, load)."""
+        if self.activation_checkpointing == "full" and self.training:
+            return checkpoint(block, h, layout, starts, use_reentrant=False)
+        return block(h, layout, starts)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+        token_losses: bool = False,
+    ) -> ModelOutput:
+        """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document (-1: padding); labels
+        (B, T) unshifted, -100 not a target; `token_losses`: each position's cross-entropy too (DPO)."""
+        b, t = input_ids.shape
+        layout, starts = self.context(position_ids, b, t, input_ids.device)
+        h = self.embed_tokens(input_ids)
+        aux, loads = None, []
+        for block in self.layers:
+            h, block_aux, load = self.run_block(block, h, layout, starts)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+        main_loads = torch.stack(loads) if loads else None
+        return self.finish(h, None, (layout, starts), position_ids, labels, aux, main_loads, return_logits,
+                           token_losses)  # fmt: skip
+
+    def finish(
+        self,
+        h: torch.Tensor,
+        ahead: Any,  # no MTP: unused (the pipeline's signature)
+        context: Any,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        aux: torch.Tensor | None,
+        loads: torch.Tensor | None,
+        return_logits: bool | None = None,
+        token_losses: bool = False,
+    ) -> ModelOutput:
+        """Final norm, head and losses from the last block's output."""
+        hidden = self.norm(h)
+        out = ModelOutput()
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        if labels is not None:
+            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
+                self.lm_head, hidden, labels, position_ids, token_losses
+            )
+            if rows is not None:
+                out.lm_token_loss = rows
+        if aux is not None:
+            out.aux_loss = aux
+            out.expert_load = loads.detach()
+        if labels is not None:
+            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            cfg = self.config
+            out.loss = combine_losses(lm, None, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
+        return out
+
+
+__all__ = ["KimiLinearLM"]
