@@ -1,8 +1,9 @@
 """`dstrain env`: what this machine can run, the first command on a new machine. It prints the software
-(torch and its CUDA build, DeepSpeed, transformers, flash-attn), whether CUDA starts (and why not where a GPU
-is present but it does not: a wheel built for a newer driver, a CPU wheel), the GPUs with their compute
-capability and native bf16, NCCL, the kernels dstrain will use at each precision, DeepSpeed's ops, and the
-matmul peak MFU is measured against. Exit 0 when a run can start, 1 with the reason when it cannot."""
+(torch and its CUDA build, DeepSpeed, transformers, Triton, flash-attn; any outside the versions dstrain is
+tested on), whether CUDA starts (and why not where a GPU is present but it does not: a wheel built for a newer
+driver, a CPU wheel), the GPUs with their compute capability and native bf16, NCCL, the kernels dstrain will
+use at each precision, DeepSpeed's ops, and the matmul peak MFU is measured against. Exit 0 when a run can
+start, 1 with the reason when it cannot."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from dstrain.cmdline import command_parser
 from dstrain.dist import cuda_problem, driver_version
 from dstrain.errors import UserError
+from dstrain.versions import outside_tested
 
 
 class CannotRun(UserError):
@@ -48,14 +50,17 @@ def report() -> tuple[list[str], str | None]:
     from dstrain.model import get_config, kernel_paths
     from dstrain.model.common.attention import varlen_kernels
     from dstrain.model.common.dsa import kernel_path as dsa_kernel_path
-    from dstrain.model.common.kernels import CPU_NATIVE_BF16
+    from dstrain.model.common.kernels import cpu_bf16_path
 
     lines = [
         f"python {'.'.join(map(str, __import__('sys').version_info[:3]))}, torch {torch.__version__} "
         f"(CUDA build {torch.version.cuda or 'none'}), deepspeed {_version('deepspeed')}, "
-        f"transformers {_version('transformers')}, dstrain {_version('dstrain')}",
+        f"transformers {_version('transformers')}, triton {_version('triton')}, dstrain {_version('dstrain')}",
         f"NVIDIA driver: {driver_version() or 'none found'}",
     ]
+    # A warning, not a refusal: outside its tested range a dependency may still work (docs/training.md)
+    outside = outside_tested()
+    lines += [f"untested: {line}" for line in outside] or ["versions: each in its tested range"]
     problem = cuda_problem()
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
     devices = []
@@ -71,9 +76,7 @@ def report() -> tuple[list[str], str | None]:
             devices.append(torch.device("cuda", i))
     else:
         lines.append(f"CUDA: {problem or 'no GPU: runs on the CPU (gloo)'}")
-        lines.append(
-            f"  CPU: {os.cpu_count()} cores, native bf16 {'yes' if CPU_NATIVE_BF16 else 'no (bf16 computes in fp32)'}"
-        )
+        lines.append(f"  CPU: {os.cpu_count()} cores, bf16 path: {cpu_bf16_path()}")
     flash_attn_varlen, torch_varlen = varlen_kernels()
     flash = "installed" if flash_attn_varlen is not None else _version("flash-attn")
     lines.append(f"flash-attn: {flash}; torch varlen_attn: {'yes' if torch_varlen is not None else 'no'}")

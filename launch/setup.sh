@@ -6,8 +6,11 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   # without pip: ensurepip's copy took 5 of a fresh setup's ~40 s; uv installs pip below (ensurepip where uv
-  # is not to be had)
-  "$PY" -m venv --without-pip .venv
+  # is not to be had). An interpreter holding a torch in the tested range (a GPU cluster's: dstrain/versions.py)
+  # lends it to the venv, which keeps it.
+  system=()
+  if "$PY" dstrain/versions.py torch 2>/dev/null; then system=(--system-site-packages); fi
+  "$PY" -m venv --without-pip ${system[@]+"${system[@]}"} .venv
 fi
 # Bytecode of what a run imports, written now with the writing on (PYTHONDONTWRITEBYTECODE unset): the installs
 # write none (pip's --no-compile; uv never does), since byte-compiling every module of every package one at a time
@@ -30,7 +33,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # the interpreter's own pip installs uv into the venv and reads the settings, the venv having none of its
   # own); the venv's pip where uv is not to be had, a setting has no uv equivalent, or uv fails.
   uv=()
-  if "$PY" -m pip --python .venv/bin/python install -q --no-compile uv >/dev/null 2>&1 &&
+  # uv does not see the packages a venv borrows from its interpreter (--system-site-packages): pip only there
+  if grep -q "^include-system-site-packages = true" .venv/pyvenv.cfg; then
+    with_pip
+  elif "$PY" -m pip --python .venv/bin/python install -q --no-compile uv >/dev/null 2>&1 &&
     settings=$("$PY" launch/uv_args.py); then
     mapfile -t lines <<<"$settings"
     cert=${lines[0]:-${SSL_CERT_FILE:-}}
@@ -45,9 +51,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     fi
     "${pip[@]}" "$@"
   }
-  # torch first and pinned: this resolves to the CPU build on machines without CUDA and keeps
-  # deepspeed's own dependency resolution from pulling a CUDA build. pip with it: the venv has none yet.
-  add "torch==2.13.0" "pip>=21.3"
+  # torch first and pinned where the venv has none in the tested range: this resolves to the CPU build on
+  # machines without CUDA and keeps deepspeed's own dependency resolution from pulling a CUDA build; one in range
+  # (a cluster's, a CUDA build installed by hand) stays. pip with it: the venv has none yet.
+  torch=()
+  .venv/bin/python dstrain/versions.py torch || torch=("$(.venv/bin/python dstrain/versions.py --cpu-wheel)")
+  add ${torch[@]+"${torch[@]}"} "pip>=21.3"
   warm "torch._dynamo, torch._inductor.compile_fx" & # on the core an install leaves idle
   add -e ".[dev]"
   wait

@@ -13,16 +13,35 @@ bash launch/setup.sh
 .venv/bin/ruff check dstrain tests launch
 .venv/bin/ruff format --check dstrain tests launch
 pytest=(.venv/bin/python -m pytest -q -ra)
+# The oldest tested torch, triton and transformers (.venv-oldest, launch/setup_oldest.sh; dstrain/versions.py): every
+# run takes the version-sensitive code there too, in `oldest`: the versions' own checks, the autograd Functions under
+# Dynamo (torch 2.11's gave them no gradient), the whole model's capture, transformers parity, the loss, the DSA
+# kernels under triton 3.6's interpreter and DeepSpeed's engine in one layout (~60 CPU-s). DSTRAIN_OLDEST=1 runs
+# there instead the fuller set `oldest_full` (Inductor's compiles, 20 compiled steps, host syncs: ~140 s more than
+# the suite's 10 minutes leave), or the tests the arguments name.
+oldest=(tests/test_versions.py tests/test_compiled_functions.py
+  tests/test_install.py::test_installing_keeps_an_in_range_torch_that_is_there
+  tests/model/deepseek_v3/test_parity.py tests/model/common/test_loss.py tests/model/common/test_dsa_kernels.py
+  "tests/model/common/test_experts.py::test_whole_model_compiles_fullgraph_no_host_sync[False]"
+  "tests/training/test_multirank.py::test_zero_matches_single_process_reference[2]")
+oldest_full=("${oldest[@]}" tests/model/common/test_experts.py::test_whole_model_compiles_fullgraph_no_host_sync
+  tests/training/test_compile.py::test_compiled_matches_eager_over_20_steps tests/training/test_syncs.py)
+on_oldest=(.venv-oldest/bin/python -m pytest -q -ra)
+if [ "${DSTRAIN_OLDEST:-0}" = 1 ]; then
+  bash launch/setup_oldest.sh
+  [ "$#" -gt 0 ] && oldest_full=("$@")
+  OMP_NUM_THREADS=1 exec "${on_oldest[@]}" --durations=30 "${oldest_full[@]}"
+fi
 if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
 # Two sessions side by side, each process on one thread (two OpenMP threads spin when the other session has the other
 # core: a 1.4 s test took 47 s): the multi-rank tests (their scenarios in pools of ranks kept for the session,
-# tests/helpers/pool.py), and the CUDA-policy pass, the rest, then some multi-rank tests (balancing the two; ranks
-# last, so that the session that ends second keeps both cores busy: the one-process policy pass last left a core idle
-# for ~40 s). Ranks leave the cores idle while they start and wait, which the other session fills. The tests bounded
-# in time (a hang, preemption) come last in the first session. Each session has its own temporary folder; the second
-# one's report follows the first's; every session lists its 30 slowest tests.
+# tests/helpers/pool.py), and the oldest versions' set, the CUDA-policy pass, the rest, then some multi-rank tests
+# (balancing the two; ranks last, so that the session that ends second keeps both cores busy: the one-process policy
+# pass last left a core idle for ~40 s). Ranks leave the cores idle while they start and wait, which the other session
+# fills. The tests bounded in time (a hang, preemption) come last in the first session. Each session has its own
+# temporary folder; the second one's report follows the first's; every session lists its 30 slowest tests.
 export OMP_NUM_THREADS=1
 tmp=$(mktemp -d)
 # The second session's share, sized for a fresh machine, whose empty Inductor cache makes its compile tests the
@@ -42,7 +61,8 @@ moved=("tests/config/test_ds_file.py::test_other_projects_templates_run_or_are_r
 # under either policy: kernels.triton_kernels) and cost ~5 s there for nothing the rest does not check.
 f64=tests/model/common/test_dsa.py::test_indexer_gradient_is_the_kl_gradient_in_float64
 (
-  DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
+  bash launch/setup_oldest.sh && "${on_oldest[@]}" --durations=10 --basetemp "$tmp/oldest" "${oldest[@]}" &&
+    DSTRAIN_KERNEL_POLICY=cuda "${pytest[@]}" --durations=30 --basetemp "$tmp/policy" tests/model/common/test_attention.py \
     tests/model/common/test_experts.py tests/model/deepseek_v3/test_parity.py tests/model/common/test_dsa.py \
     tests/model/common/test_kernels.py tests/parallel/test_layouts.py::test_bf16_layouts_with_overlapped_reductions \
     --deselect "$f64" &&
@@ -53,7 +73,8 @@ rest=$!
 status=0
 "${pytest[@]}" -m multirank --durations=30 --basetemp "$tmp/ranks" "${moved[@]/#/--deselect=}" || status=$?
 wait "$rest" || status=$?
-echo "--- the other session: DSTRAIN_KERNEL_POLICY=cuda, the tests not marked multirank, then ${moved[*]}"
+echo "--- the other session: the oldest tested versions' set, DSTRAIN_KERNEL_POLICY=cuda, the tests not marked multirank," \
+  "then ${moved[*]}"
 cat "$tmp/rest.log"
 rm -rf "$tmp"
 exit "$status"

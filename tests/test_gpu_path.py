@@ -170,9 +170,22 @@ def test_env_says_a_run_can_start(capsys):
 
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "torch 2.13.0" in out and "kernels, bf16 on cpu" in out and out.rstrip().endswith("a run can start")
-    )
+    assert f"torch {torch.__version__}" in out and "kernels, bf16 on cpu" in out
+    assert "versions: each in its tested range" in out and out.rstrip().endswith("a run can start")
+
+
+def test_env_names_a_dependency_outside_its_tested_range(monkeypatch, capsys):
+    """A warning only: a run still starts."""
+    import dstrain.versions
+    from dstrain.cli import main
+
+    real = dstrain.versions.installed
+    monkeypatch.setattr(dstrain.versions, "installed", lambda p: "5.30.1" if p == "transformers" else real(p))
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    low, high = dstrain.versions.TESTED["transformers"]
+    assert f"untested: transformers 5.30.1 is outside the tested range >={low},<{high}" in out, out
+    assert "versions: each" not in out and out.rstrip().endswith("a run can start")
 
 
 @pytest.mark.parametrize(("build", "message"), [(None, "is a CPU build"), ("13.0", "does not start")])

@@ -305,13 +305,16 @@ def _slot_sum(
     if torch.compiler.is_compiling():
         # k indexed loads added in fp32: one pointwise kernel; the gather-then-sum form became a reduction
         # over the middle axis that inductor vectorised badly on some shapes (28 ms vs 0.8 ms, `fine-b` bf16)
+        # No cast to the dtype a tensor already has: under torch 2.11's Dynamo an autograd Function's output
+        # that a self-returning call (.float(), .to(), +=) produced gets no gradient (all of the experts' 0)
         slots = back.view(n, k)
         acc = None
         for j in range(k):
-            row = t.index_select(0, slots[:, j]).float()
+            row = t.index_select(0, slots[:, j])
+            row = row if row.dtype == torch.float32 else row.float()
             row = row if weights is None else row * weights[:, j : j + 1]
             acc = row if acc is None else acc + row
-        return acc.to(t.dtype)
+        return acc if acc.dtype == t.dtype else acc.to(t.dtype)
     gathered = t.index_select(0, back).view(n, k, *t.shape[1:])
     if weights is None:
         return gathered.sum(dim=1)

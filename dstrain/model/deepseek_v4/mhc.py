@@ -82,7 +82,12 @@ class _Expand(torch.autograd.Function):
         ctx.save_for_backward(post, comb, out, streams)
         work = torch.promote_types(streams.dtype, torch.float32)
         mixed = post.to(work).unsqueeze(-1) * out.to(work).unsqueeze(-2)
-        return mixed.add_(torch.matmul(comb.to(work).transpose(-1, -2), streams.to(work))).to(streams.dtype)
+        carried = torch.matmul(comb.to(work).transpose(-1, -2), streams.to(work))
+        # fp32: not add_ (nor .to()) last: torch 2.11's Dynamo gives a Function's output made by a call returning
+        # its own input no gradient (all 0 compiled)
+        if work == streams.dtype:
+            return mixed + carried
+        return mixed.add_(carried).to(streams.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205

@@ -9,6 +9,7 @@ oracle within 2e-2 (bf16's own rounding of the inputs and outputs: 2^-8 each).""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -27,6 +28,27 @@ from dstrain.model.sources import init_weights  # noqa: E402
 from tests.helpers.tiny import ROOT, tiny_config  # noqa: E402
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _squeezed_loop_bounds() -> None:
+    """Triton 3.6's interpreter reads a runtime loop bound (`range(H)`) with int() of a one-element array, which
+    numpy >= 2.4 refuses; Triton 3.9 squeezes it first, as this does for 3.6 (the interpreter only: compiled
+    kernels take their bounds as integers, without numpy)."""
+    from triton.runtime import interpreter
+
+    install = interpreter._patch_lang_tensor
+    if "squeeze" in inspect.getsource(install):
+        return
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202
+        install(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETER:
+    _squeezed_loop_bounds()
 
 
 @pytest.mark.skipif(INTERPRETER, reason="this is the interpreter's process")
