@@ -12,6 +12,8 @@ import torch
 
 FP8_BLOCK = 128
 FP4_BLOCK = 32
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP4_MAX = 6.0  # e2m1's
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 # e2m1 by its 4 bits: the sign is the high bit

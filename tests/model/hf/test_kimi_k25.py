@@ -24,7 +24,7 @@ from transformers import DeepseekV3ForCausalLM
 import dstrain.checkpoint.export as ex
 from dstrain.checkpoint import store
 from dstrain.cli import main as dstrain_main
-from dstrain.errors import CheckpointError
+from dstrain.errors import CheckpointError, ConfigError
 from dstrain.model import ModelConfig, from_pretrained, save_pretrained
 from dstrain.model.deepseek_v3.state_dict import to_hf
 from dstrain.model.hf.files import SAFE_INDEX, SafetensorsFile
@@ -234,25 +234,36 @@ def test_save_pretrained_writes_the_folder_back(k25, tmp_path):
 
 
 def test_fine_tune_from_the_folder_as_shipped_and_export_it(k25, tmp_path, capsys, rank_pools):
-    """`dstrain/train.py --model` the K2.5 folder, two steps; `dstrain export --verify` writes it back as
-    shipped but for the trained text model (bf16), and transformers' DeepSeek-V3 reading the text model from
-    under its prefix gives the checkpoint's logits."""
+    """`dstrain/train.py --model` the K2.5 folder, two steps; `dstrain export --dtype bfloat16 --verify`
+    writes it back as shipped but for the trained text model (bf16), and transformers' DeepSeek-V3 reading the
+    text model from under its prefix gives the checkpoint's logits. Without --dtype, the trained experts are
+    INT4 again (the shipped tensor names and dtypes), the error quantizing introduced printed."""
     path, dense = k25
     train(rank_pools, ["--model", str(path), "--max_steps", "2", "--output_dir", str(tmp_path / "run")])
     out = tmp_path / "out"
-    assert dstrain_main(["export", str(tmp_path / "run"), "--out", str(out), "--verify"]) == 0
+    assert (
+        dstrain_main(["export", str(tmp_path / "run"), "--out", str(out), "--dtype", "bfloat16", "--verify"])
+        == 0
+    )
     assert ": ok" in capsys.readouterr().out
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     cfg = ModelConfig.from_folder(path)
     trained = dict(to_hf(read_weights(ckpt), cfg))
     check_export(path, out, trained)
+    assert dstrain_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "int4"), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "48 weights quantized: relative RMS error mean" in printed and ": ok" in printed, printed
+    shipped, again = raw_tensors(path), raw_tensors(tmp_path / "int4")
+    assert {k: v[:2] for k, v in again.items()} == {k: v[:2] for k, v in shipped.items()}
     key = PREFIX + "model.layers.1.mlp.experts.0.up_proj.weight"
     assert not torch.equal(trained[key], dense[key.removeprefix(PREFIX)])  # it trained the INT4 experts too
     # the export copies the vision tower from the folder training started from: gone, a one-line error
     opened = store.open_checkpoint(tmp_path / "run")
     moved = dataclasses.replace(opened, source=str(tmp_path / "moved"))
     with pytest.raises(CheckpointError, match="vision tower and projector are copied from the folder"):
-        ex.export(moved, tmp_path / "out2")
+        ex.export(moved, tmp_path / "out2", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="started from a quantized folder .* that is not there"):
+        ex.export(moved, tmp_path / "out3")  # its INT4 scales and form are read from it
 
 
 def test_the_config_is_the_text_models_inside_k25s():
