@@ -1,9 +1,11 @@
 """DeepSeek-V4 through `dstrain train` and `dstrain export`: fine-tuning a transformers-written folder, the
-round trip back to it bit for bit, --verify against transformers, and the layouts refused in one line."""
+round trip back to it bit for bit, --verify against transformers, LoRA DPO on it, and the layouts refused in one
+line."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -61,6 +63,29 @@ def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys, rank_pools
     assert not torch.equal(trained[q_a], src[q_a])  # the adapters trained and merged
     assert dstrain_main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter_only"]) == 2
     assert "DeepSeek-V4 adapters export merged only" in capsys.readouterr().err
+
+
+def test_lora_dpo_on_a_v4_folder(v4_folder, tmp_path, rank_pools):
+    """--objective dpo with LoRA on the transformers-written V4 folder (the default V4 targets, the reference its
+    adapters off): at step 1 the adapters (B = 0) are the reference, so the loss is log 2 with zero rewards;
+    4 pairs, 2 a step, so step 3 reads step 1's again: its loss below log 2, its pairs ranked right (seen: 0.693,
+    0.716, 0.536; accuracy 0, 0, 1)."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"{i} plus {i}?", "chosen": f"{2 * i}.", "rejected": f"{2 * i + 1}."} for i in range(4)
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "dpo"
+    flags = "--objective dpo --lora_r 4 --lr 1e-2 --max_steps 3 --seq_len 64 --num_workers 0 --save_every 0"
+    flags += " --no-plots --no-tensorboard"
+    train(
+        rank_pools,
+        ["--model", str(v4_folder), "--data", str(pairs), "--output_dir", str(run), *flags.split()],
+    )
+    steps = [h for h in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in h]
+    assert len(steps) == 3 and all(h["rewards/accuracies"] is not None for h in steps)
+    assert abs(steps[0]["loss"] - math.log(2)) <= 1e-6 and steps[0]["rewards/margins"] == 0.0
+    assert steps[2]["loss"] < math.log(2) - 0.01 and steps[2]["rewards/accuracies"] == 1.0
 
 
 def test_tensor_parallel_is_a_one_line_error():

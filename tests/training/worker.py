@@ -377,6 +377,15 @@ def dpo_full_run(info, out: str, name: str, args: str, resume: str | None = None
     return {"history": tr.history, "checkpoints": sorted(str(p) for p in root.glob("step_*"))}
 
 
+def dpo_v4_run(info, out: str, name: str, args: str, cycle: int = 0) -> list[dict[str, Any]]:  # noqa: ANN001
+    """dpo_full_run's DPO (every weight, the precomputed reference) on the tiny DeepSeek-V4, over `cycle` rows
+    repeated as dpo_run's -> the history."""
+    from tests.helpers.tiny import tiny_v4_config
+
+    tr = _dpo_trainer(info, out, name, f"--lr 1e-3 {args}", cycle, lora=False, cfg=tiny_v4_config())
+    return tr.history
+
+
 def dpo_data_run(info, out: str, data: str, steps: int) -> dict[str, Any]:  # noqa: ANN001
     """Full fine-tune DPO on a preference jsonl through the data package's loader (byte tokenizer, chat
     template) -> the history and the reference table's size."""
@@ -394,7 +403,7 @@ def dpo_data_run(info, out: str, data: str, steps: int) -> dict[str, Any]:  # no
 
 
 def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows=None, lora: bool = True,  # noqa: ANN001, ANN202
-                 resume: str | None = None):  # fmt: skip
+                 resume: str | None = None, cfg=None):  # fmt: skip
     from dstrain.parallel import ParallelDims
     from tests.helpers.pairs import PairRows
 
@@ -409,6 +418,6 @@ def _dpo_trainer(info, out: str, name: str, args: str, cycle: int = 0, eval_rows
     loader = PairRows(
         layout.micro_batch_size, layout.gradient_accumulation_steps, data_rank, dims.data, cycle
     )
-    tr = make_trainer(opts, f"{out}/{name}", info, loader=loader, eval_rows=eval_rows, resume=resume)
+    tr = make_trainer(opts, f"{out}/{name}", info, cfg=cfg, loader=loader, eval_rows=eval_rows, resume=resume)
     tr.run()
     return tr

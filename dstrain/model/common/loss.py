@@ -8,8 +8,9 @@ peak then holds one chunk of logits instead of the whole (tokens x vocab) fp32 l
 and their gradient. Logits are computed in the weight's dtype and softmaxed in fp32, as F.cross_entropy on
 upcast logits does. Called under no_grad (evaluation), only the loss is computed.
 
-Around it, what both families' forwards compute their losses with: summed cross-entropies of valid positions
-(`ce_sum`), an MTP depth's loss (`mtp_depth_loss`) and the training objective from its parts (`combine_losses`).
+Around it, what every family's forward computes its losses with: summed cross-entropies of valid positions
+(`ce_sum`), the main head's loss (`lm_losses`: summed, or per position for DPO), an MTP depth's loss
+(`mtp_depth_loss`) and the training objective from its parts (`combine_losses`).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], rows):
             hc, vc = h[s : s + rows], valid[s : s + rows]
             loss, grad = chunk_fn(linear(hc, weight), targets[s : s + rows], vc, want_h or want_w, not gpu)
-            total += loss
+            # Out of place: torch 2.11's Dynamo loses the gradient of a Function's output that its forward
+            # created and then mutated (every gradient of the loss compiled 0, eager's not)
+            total = total + loss
             if gpu:  # the mask on the chunk's rows of h and dh, not on its (rows x vocab) gradient
                 row_mask = vc.to(h.dtype).unsqueeze(1)
                 if want_h:
@@ -253,6 +256,25 @@ def target_rows(t: int, labels: torch.Tensor, shift: int) -> int:
     """Positions predicting labels[i + shift]: all t when labels run on past them (a sequence-parallel
     slice's halo), else the first t - shift."""
     return min(t, labels.shape[1] - shift)
+
+
+def lm_losses(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    token_losses: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The main head's losses of the final hidden states `hidden` (B, T, D, normed; position i predicts
+    labels[i + 1]) -> (summed cross-entropy, target count, with `token_losses` each position's cross-entropy
+    (B, n) fp32, 0 where not counted, else None). Every family's forward computes its LM loss here, so
+    DPO's per-position losses are the same function of the same positions as the summed loss."""
+    n = target_rows(hidden.shape[1], labels, 1)
+    h, targets, valid = hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
+    if token_losses:
+        rows = ce_rows(head, h, targets, valid)
+        return rows.sum(), valid.sum(), rows
+    return *ce_sum(head, h, targets, valid), None
 
 
 def mtp_depth_loss(

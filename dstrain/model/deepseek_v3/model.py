@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import real_pairs, real_tokens, sequence_halo, target_mask
+from dstrain.batch import real_pairs, real_tokens, sequence_halo
 
 from ..common.attention import AttentionLayout, attention_layout, rope_cos_sin
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
 from ..common.layers import MLP, Experts, RMSNorm, Router, sequence_balance, update_expert_bias
-from ..common.loss import Head, ce_rows, ce_sum, combine_losses, mtp_depth_loss, target_rows
+from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
 from ..common.output import ModelOutput
 from .attention import MLA, rope_frequencies
 from .config import ModelConfig
@@ -192,11 +192,6 @@ class DeepSeekLM(SparseControls, nn.Module):
         inv_freq, factor = self._rope_cache[dev]
         return rope_cos_sin(position_ids, inv_freq, factor)
 
-    def _ce_sum(
-        self, h: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, hits: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        return ce_sum(self.lm_head, h, targets, valid, hits)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -293,13 +288,11 @@ class DeepSeekLM(SparseControls, nn.Module):
             out.logits = self.lm_head(main_hidden)
         run_mtp = labels is not None and len(self.mtp) > 0
         if labels is not None:
-            n = target_rows(t, labels, 1)
-            valid = target_mask(labels, position_ids, 1)[:, :n]
-            if token_losses:  # (B, n): position i's loss predicting labels[:, i + 1]
-                out.lm_token_loss = ce_rows(self.lm_head, main_hidden[:, :n], labels[:, 1 : 1 + n], valid)
-                out.lm_loss_sum, out.lm_tokens = out.lm_token_loss.sum(), valid.sum()
-            else:
-                out.lm_loss_sum, out.lm_tokens = self._ce_sum(main_hidden[:, :n], labels[:, 1 : 1 + n], valid)
+            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
+                self.lm_head, main_hidden, labels, position_ids, token_losses
+            )
+            if rows is not None:  # (B, n): position i's loss predicting labels[:, i + 1]
+                out.lm_token_loss = rows
         mtp_loads = []
         if run_mtp:
             sums, counts = [], []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import real_pairs, real_tokens, sequence_halo, target_mask
+from dstrain.batch import real_pairs, real_tokens, sequence_halo
 
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
@@ -28,7 +28,7 @@ from ..common.layers import (
     sequence_balance,
     update_expert_bias,
 )
-from ..common.loss import Head, ce_sum, combine_losses, mtp_depth_loss, target_rows
+from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
 from ..common.output import ModelOutput
 from .attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
 from .config import V4Config
@@ -236,9 +236,11 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
+        token_losses: bool = False,
     ) -> ModelOutput:
         """As DeepSeekLM.forward: input_ids (B, T); position_ids restarting at 0 per packed document (-1:
-        padding); labels unshifted, -100 not a target."""
+        padding); labels unshifted, -100 not a target; `token_losses`: each position's cross-entropy too
+        (`lm_token_loss`, what DPO's sequence log-probabilities sum)."""
         t = input_ids.shape[1]
         if self.seq_parallel is not None:
             t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
@@ -256,7 +258,9 @@ class DeepSeekV4LM(SparseControls, nn.Module):
             return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
 
         main_loads = torch.stack(loads) if loads else None
-        return self.finish(streams, ahead, inputs, position_ids, labels, aux, main_loads, return_logits)
+        return self.finish(
+            streams, ahead, inputs, position_ids, labels, aux, main_loads, return_logits, token_losses
+        )
 
     def finish(
         self,
@@ -268,21 +272,22 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         aux: torch.Tensor | None,
         loads: torch.Tensor | None,
         return_logits: bool | None = None,
+        token_losses: bool = False,
     ) -> ModelOutput:
         """The HC head, norm, head and losses, and the MTP depths, from the last block's streams, the summed
         balance loss and the (biased main layers, E) loads before (a pipeline's last stage calls this too)."""
         cfg = self.config
-        t = streams.shape[1]
         hidden = self.norm(self.hc_head(streams))
         out = ModelOutput()
         if return_logits or (return_logits is None and labels is None):
             out.logits = self.lm_head(hidden)
         loads = [*loads] if loads is not None else []
         if labels is not None:
-            n = target_rows(t, labels, 1)
-            out.lm_loss_sum, out.lm_tokens = ce_sum(
-                self.lm_head, hidden[:, :n], labels[:, 1 : 1 + n], target_mask(labels, position_ids, 1)[:, :n]
+            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
+                self.lm_head, hidden, labels, position_ids, token_losses
             )
+            if rows is not None:
+                out.lm_token_loss = rows
             if len(self.mtp):
                 aux = self._mtp(out, streams, ahead, inputs, position_ids, labels, aux, loads)
         if inputs.stats:
