@@ -5,6 +5,8 @@
   (on the command line or, for `dstrain train`, in a recipe: it is read from the parsed options);
 - an error every rank of a multi-rank job raises alike is printed once (rank 0), one that a single rank hit
   names that rank (the other ranks give rank 0 the time to print: `REPORT_GRACE_S`);
+- Ctrl-C where training does not take it (training/preempt.py: the first stops with a checkpoint) is one
+  line and exit 130, as the shell reports an interrupted command;
 - anything else is a bug and keeps its traceback.
 
 Each subcommand's module has `parse(argv)` and `run(args) -> int`; they are imported lazily so that
@@ -32,6 +34,8 @@ from dstrain.errors import UserError
 # job failed with no message). Those ranks wait this long instead (the launcher ends them when rank 0 exits),
 # then print the line themselves, naming their rank (rank 0 never got there, or the launcher lets ranks run on).
 REPORT_GRACE_S = 10.0
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C ended
 
 # name -> (module with `parse(argv)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -75,6 +79,12 @@ def invoke(
         return int(run(args) or 0)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        if dist.env_rank() == 0:
+            print("dstrain: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
     except UserError as exc:
         if debug:
             traceback.print_exc()
@@ -100,6 +110,8 @@ def error_line(exc: UserError, rank: int, everywhere: bool) -> str | None:
 def run_command(name: str, argv: list[str], start: bool = False) -> int:
     """Run a subcommand; `start`: the process's own command line, whose imports (with the modules the command
     will import later, its PRELOAD) are frozen (dstrain/collector.py)."""
+    if start:  # not for a call from Python: its environment stays the caller's
+        dist.settle_accelerator_env()
     with collector.paused(freeze=start):
         module = importlib.import_module(SUBCOMMANDS[name][0])
     return invoke(module.parse, module.run, argv, getattr(module, "PRELOAD", ()) if start else ())

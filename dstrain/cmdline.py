@@ -18,12 +18,19 @@ class ArgumentParser(argparse.ArgumentParser):
     the nearest flag when there is one. No prefixes (`--max_step` is not `--max_steps`: a flag added later
     would change what an old command means); `--lora-r` and `--lora_r` are the same flag."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, near_flags: dict[str, str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.near_flags = near_flags or {}  # another tool's flag -> what to use here instead
 
-    def _flags(self) -> list[str]:
-        return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+    def _flags(self, shown: bool = False) -> list[str]:
+        """Every long flag; `shown`: those the help lists (a hidden one is not a suggestion)."""
+        return [
+            o
+            for a in self._actions
+            for o in a.option_strings
+            if o.startswith("--") and not (shown and a.help == argparse.SUPPRESS)
+        ]
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         if args is not None:
@@ -47,11 +54,13 @@ class ArgumentParser(argparse.ArgumentParser):
             for word in unknown.group(1).split():
                 flag = word.partition("=")[0]
                 near = (
-                    difflib.get_close_matches(flag, self._flags(), n=1, cutoff=0.75)
+                    difflib.get_close_matches(flag, self._flags(shown=True), n=1, cutoff=0.75)
                     if flag[:2] == "--"
                     else []
                 )
-                if near:
+                if flag in self.near_flags:
+                    hints.append(f"{flag}: {self.near_flags[flag]}")
+                elif near:
                     hints.append(f"{flag}: did you mean {near[0]}?")
             if hints:
                 message += " (" + "; ".join(hints) + ")"

@@ -162,6 +162,15 @@ def cuda_problem() -> str | None:
     return None
 
 
+def settle_accelerator_env() -> None:
+    """A process's start, before anything imports deepspeed: on a machine that exposes no GPU and where torch
+    sees none, DS_ACCELERATOR=cpu (what pick_accelerator sets there anyway), so DeepSpeed's probe does not warn
+    "Setting accelerator to CPU" in every command. Where a GPU is exposed nothing is set: pick_accelerator
+    still says in one line why CUDA does not start."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available() and not gpu_present():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def pick_accelerator() -> str:
     """'cuda' or 'cpu'. DS_ACCELERATOR=cpu is honoured before CUDA is touched at all: a visible GPU changes
     nothing of a CPU run (precision, overlap, pinning, rank to device). Otherwise CUDA when a GPU is visible:

@@ -108,12 +108,18 @@ def converter(tp: Any, name: str):  # noqa: ANN202
     return lambda v: v
 
 
-def add_flags(parser: Any, cls: type, defaults: dict[str, Any] | None = None) -> None:
+def add_flags(
+    parser: Any,
+    cls: type,
+    defaults: dict[str, Any] | None = None,
+    aliases: dict[str, tuple[str, ...]] | None = None,
+) -> None:
     """One `--FIELD` flag per field of the dataclass `cls` on `parser` (a parser or an argument group): help
     from the field's docstring and its default (`defaults` overrides what the help shows), booleans as
     --FIELD / --no-FIELD, Literal types as choices, a field with metadata "bare" as --FIELD [MODE] (a bare flag
     means metadata["bare"], --no-FIELD metadata["negated"]), metadata "hidden" without help. Only the flags
-    given reach the namespace (argparse.SUPPRESS), so they can override a recipe or a file."""
+    given reach the namespace (argparse.SUPPRESS), so they can override a recipe or a file. `aliases`: field
+    -> other names of its flag (`--ALIAS` sets the field)."""
     import argparse
 
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
@@ -142,4 +148,4 @@ def add_flags(parser: Any, cls: type, defaults: dict[str, Any] | None = None) ->
             kw.update(type=converter(tp, f.name), metavar=f.name.upper())
             if choices:
                 kw.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
-        parser.add_argument(f"--{f.name}", **kw)
+        parser.add_argument(f"--{f.name}", *(f"--{a}" for a in (aliases or {}).get(f.name, ())), **kw)

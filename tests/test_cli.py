@@ -135,3 +135,37 @@ def test_a_program_ends_like_python_s_exit_without_the_teardown():
     assert run.returncode == 3, run.stderr[-3000:]
     assert run.stdout.split() == ["unflushed", "thread", "finished", "atexit", "ran"], run.stdout
     assert not run.stderr, run.stderr
+
+
+def test_a_command_line_on_a_machine_without_a_gpu_leaves_out_deepspeeds_cpu_warning(tmp_path):
+    """DeepSpeed's accelerator probe warns "Setting accelerator to CPU" wherever it finds no GPU: a command
+    line (here `dstrain train`, which imports deepspeed once parsed, then stops on a data mistake) sets
+    DS_ACCELERATOR=cpu first where the machine has none, and its one error line stays; a call from Python
+    leaves the environment alone. Where a GPU is visible there is no warning to leave out either way."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = (
+        "import os, sys\n"
+        "from dstrain import cli\n"
+        "assert cli.run_command('train', ['--help']) == 0 and 'DS_ACCELERATOR' not in os.environ\n"
+        f"code = cli.run_command('train', ['--data', {str(tmp_path / 'none.jsonl')!r}], start=True)\n"
+        "assert 'deepspeed' in sys.modules and code == 2, code\n"
+    )
+    run = run_python(code, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Setting accelerator to CPU" not in run.stdout + run.stderr
+    assert run.stderr.strip() == f"dstrain: error: data: no such file or folder: {tmp_path / 'none.jsonl'}"
+
+
+def test_ctrl_c_outside_the_training_steps_is_one_line_and_exit_130(capsys):
+    """Where the trainer does not take Ctrl-C (a command's start, `dstrain data`, an export): one line, the
+    shell's 130, no traceback."""
+    from dstrain.cli import INTERRUPTED_EXIT_CODE, invoke
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    assert invoke(lambda argv: argv, interrupted, []) == INTERRUPTED_EXIT_CODE == 130
+    err = capsys.readouterr().err
+    assert err == "dstrain: interrupted (Ctrl-C)\n"

@@ -6,16 +6,22 @@ and are written by the family's `to_hf` (`dstrain.model.deepseek_v3.state_dict.t
 index. LoRA adapters are merged into their base weights on the way (or written alone as a PEFT folder with
 --adapter_only). --verify loads the folder with transformers and compares its logits with dstrain's model
 built from the checkpoint's own weights, not from the folder just written.
+A run from a quantized folder (FP8, FP4, packed INT) is written in that folder's form unless --dtype is
+given: each weight the folder stored quantized is quantized again (`hf.quantize.SourceForms`, the source's
+scales kept where the weights did not move), so an untrained run's export is the source's tensors byte for
+byte; --verify then compares transformers' dequantization of the folder with dstrain's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,7 @@ from dstrain.model.common.dsa import top_keys
 from dstrain.model.common.layers import EXPERT_BIAS, is_expert_bias
 from dstrain.model.common.lora import adapted_parts, is_lora_key, merge_parts
 from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
+from dstrain.model.hf.quantize import SourceForms
 from dstrain.model.registry import on_meta
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
@@ -169,6 +176,8 @@ def export(
     dt = parse_dtype(dtype) or default_dtype(cfg)
     if adapter_only:
         check_adapter_only(lora, cfg)
+    # no --dtype: a quantized source's weights are written in its own form
+    forms = None if adapter_only or dtype is not None else source_forms(cfg, source)
     prepare_out(out, force)
     if adapter_only:
         whole = travels_whole(lora, cfg)
@@ -186,13 +195,32 @@ def export(
         return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "adapted": paths, "files": []}
     seen: set[str] = set()
 
+    def hf_items() -> Iterator[tuple[str, torch.Tensor]]:
+        if forms is None:
+            yield from hf_tensors(merge_stream(iter_weights(ckpt), lora), cfg, dt)
+            return
+        for item in merge_stream(iter_weights(ckpt), lora):
+            exact = list(hf_tensors([item], cfg, None))  # in fp32, as the checkpoint holds it
+            if not any(k in forms for k, _ in exact):
+                yield from hf_tensors([item], cfg, dt)
+                continue
+            # a weight to quantize is quantized from its fp32 value, not from its rounding to dt
+            rounded: dict[str, torch.Tensor] = {}
+            for k, t in exact:
+                if k not in forms and not rounded:
+                    rounded = dict(hf_tensors([item], cfg, dt))
+                yield k, t if k in forms else rounded[k]
+
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         try:
-            for key, t in hf_tensors(merge_stream(iter_weights(ckpt), lora), cfg, dt):
+            for key, t in hf_items():
                 if key in seen:
                     raise CheckpointError(f"checkpoint yields {key} twice")
                 seen.add(key)
-                yield key, t
+                if forms is not None and key in forms:  # LoRA already merged: the sum is quantized
+                    yield from forms.quantize(key, t)
+                else:
+                    yield key, t
         except KeyError as exc:  # dstrain_to_hf: a dstrain key this config has no place for
             raise CheckpointError(
                 f"checkpoint tensor {exc.args[0]} has no place in the model's config"
@@ -200,19 +228,75 @@ def export(
 
     try:
         # a multimodal checkpoint's vision tower and projector, copied from the folder its text model came from
-        with family_of(cfg).copied_tensors(cfg, source) as copied:
+        with family_of(cfg).copied_tensors(cfg, source) as copied, forms or contextlib.nullcontext():
             files = save_hf_tensors(tensors(), out, max_shard_bytes, copied)
     except UserError:
         raise
-    except ValueError as exc:  # that folder is not there
+    except ValueError as exc:  # that folder is not there, or a form not written
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from None
     missing = expected_hf_keys(cfg) - seen
     if missing:
         raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     copied = write_configs(cfg, out, dt, source)
+    if forms is not None:
+        keep_quantization_config(Path(source), out)
     if not any(name in copied for name in TOKENIZER_FILES):
         copied = save_tokenizer(opened.tokenizer, source, out)
-    return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "files": files, "tokenizer": copied}
+    info = {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "files": files, "tokenizer": copied}
+    if forms is not None:
+        info["quantized"] = forms.errors
+    return info
+
+
+# ------------------------------------------------------------------ the source's quantized form
+QUANT_KEYS = ("quantization_config", "expert_dtype")  # config.json keys that describe stored weights
+
+
+def _quant_levels(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """A config.json's levels that declare quantized weights (a multimodal one's: its text_config's too)."""
+    levels = [d, *(v for v in d.values() if isinstance(v, dict) and "model_type" in v)]
+    return [level for level in levels if "quantization_config" in level]
+
+
+def source_forms(cfg: ModelConfig, source: str | None) -> SourceForms | None:
+    """The quantized forms of the folder training started from, for an export in them; None for a source that
+    stored none (or a preset run). A quantized source that is gone is a ConfigError (its scales and which
+    modules it left unquantized are read from it)."""
+    if not _quant_levels(cfg.to_hf_dict()):
+        return None
+    if not (source and os.path.isdir(source)):
+        raise ConfigError(
+            f"the run started from a quantized folder ({source}) that is not there: its form is read from "
+            "it; export with --dtype bfloat16, or move the folder back"
+        )
+    try:
+        forms = SourceForms(source)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; export with --dtype bfloat16") from None
+    return forms if forms.parts else None
+
+
+def keep_quantization_config(source: Path, out: Path) -> None:
+    """config.json's quantization keys (QUANT_KEYS) as the source folder's, at the same levels."""
+    src = json.loads((source / "config.json").read_text())
+    conf = json.loads((out / "config.json").read_text())
+    for name, level in [(None, src), *((k, v) for k, v in src.items() if isinstance(v, dict))]:
+        target = conf if name is None else conf.get(name)
+        if isinstance(target, dict):
+            target.update({k: level[k] for k in QUANT_KEYS if k in level})
+    (out / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True))
+
+
+def error_summary(errors: dict[str, float], worst: int = 3) -> str:
+    """One line: the relative RMS error quantizing introduced, per tensor (mean, the worst few)."""
+    if not errors:
+        return "no weights quantized"
+    ranked = sorted(errors.items(), key=lambda kv: -kv[1])
+    if ranked[0][1] == 0:
+        return f"{len(errors)} weights quantized, all exactly (on the source's grid: untrained)"
+    mean = sum(errors.values()) / len(errors)
+    tops = ", ".join(f"{k} {v:.3g}" for k, v in ranked[:worst])
+    return f"{len(errors)} weights quantized: relative RMS error mean {mean:.3g}, worst {tops}"
 
 
 def save_tokenizer(spec: str | None, source: str | None, out: Path) -> list[str]:
@@ -276,17 +360,54 @@ def travels_whole(lora: dict[str, Any], cfg: ModelConfig) -> Callable[[str], boo
 # ------------------------------------------------------------------ verification
 @torch.no_grad()
 def verify(
-    checkpoint: str | os.PathLike | Checkpoint, out: str | os.PathLike, dtype: torch.dtype, seq_len: int = 32
+    checkpoint: str | os.PathLike | Checkpoint,
+    out: str | os.PathLike,
+    dtype: torch.dtype,
+    seq_len: int = 32,
+    adapter_only: bool = False,
+    quantized: bool = False,
 ) -> float:
     """Max |logits| difference between transformers on the exported folder and dstrain's model built from
     the checkpoint's weights (adapters unmerged for fp32; for other dtypes merged and rounded the way the
-    export rounds, so the check measures the layout, not the dtype's precision)."""
-    from transformers import AutoModelForCausalLM
+    export rounds, so the check measures the layout, not the dtype's precision). `adapter_only`: `out` is an
+    adapter folder, loaded by peft as it is onto transformers' model of the folder training started from
+    (the adapters rounded to `dtype` in the reference, unmerged). `quantized`: `out` holds the source's quantized
+    form, which transformers dequantizes as it loads (on a CPU too); the reference is dstrain's model read from
+    `out` (dequantized by quant.py), so the check measures the layout and the dequantization, the quantization
+    error being the export's own report."""
+    opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    if adapter_only:
+        check_adapter_verify(opened)
+    if quantized:
+        from dstrain.model import from_pretrained
 
+        ref = from_pretrained(out, dtype=torch.float32)
+        _dequantize_as_compressed_tensors(ref, out)
+    else:
+        ref = _checkpoint_model(opened, dtype, adapter_only)
+    return _compare(ref, opened, out, seq_len, adapter_only)
+
+
+def _dequantize_as_compressed_tensors(ref: torch.nn.Module, out: str | os.PathLike) -> None:
+    """compressed-tensors dequantizes packed integers in the scale's dtype (q * scale rounded to bf16 for
+    Kimi-K2.5); dstrain reads them exactly in fp32. The reference's packed weights rounded the same way, so
+    that verify compares the readings, not that rounding."""
+    from dstrain.model.sources import open_folder
+
+    state = ref.state_dict()
+    with open_folder(out, ref.config) as reader, SourceForms(out) as forms:
+        for key, parts in reader.sources.items():
+            first = forms.parts.get(next(iter(parts.values())), {})
+            if key in state and "weight_packed" in first:
+                dtype = forms.dtype(first["weight_scale"])
+                state[key].copy_(state[key].to(dtype).float())
+
+
+def _checkpoint_model(opened: Checkpoint, dtype: torch.dtype, adapter_only: bool) -> torch.nn.Module:
+    """dstrain's model of the checkpoint's weights (see `verify`), fp32."""
     from dstrain.model import build_model
     from dstrain.model.common.lora import apply_lora, merge_lora
 
-    opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     ckpt, cfg, lora = opened.path, opened.config, opened.lora
     ref = build_model(cfg, dtype=torch.float32, init=False)
     if lora and apply_lora(ref, int(lora["r"]), float(lora["alpha"]), lora["targets"]) != lora["modules"]:
@@ -302,20 +423,39 @@ def verify(
     if unfilled:
         raise CheckpointError(f"checkpoint {ckpt} lacks {sorted(unfilled)[0]}")
     if dtype != torch.float32:
-        merge_lora(ref)
+        if not adapter_only:
+            merge_lora(ref)
         for name, t in ref.state_dict(keep_vars=True).items():
             if t.is_floating_point() and not family_of(cfg).keeps_fp32(name):
                 t.data.copy_(t.data.to(dtype).float())
+    return ref
+
+
+@torch.no_grad()
+def _compare(
+    ref: torch.nn.Module, opened: Checkpoint, out: str | os.PathLike, seq_len: int, adapter_only: bool
+) -> float:
+    """Max |logits diff| of transformers' model of `out` and `ref` on random ids."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    cfg = opened.config
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists the MTP layers it does not build, as "unexpected"
     hf_logging.disable_progress_bar()
+    quant = {} if adapter_only else _dequantizing(out, cfg)
     try:
-        if cfg.wrapper:
-            hf = _text_model(cfg, out).eval()
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        with warnings.catch_warnings():
+            # ours is the folder's own quantization_config, dequantizing: transformers warns that it sees two
+            warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
+            if adapter_only:
+                hf = _peft_model(opened.source, out)
+            elif cfg.wrapper:
+                hf = _text_model(cfg, out, **quant).eval()
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, **quant).eval()
+        if quant:  # its FP8 loader leaves the unquantized weights in the file's dtype (exactly: upcast)
+            hf = hf.float()
     finally:
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
@@ -357,7 +497,53 @@ class TieRule(TorchFunctionMode):
         return torch.return_types.topk((scores.gather(-1, indices), indices))
 
 
-def _text_model(cfg: ModelConfig, out: str | os.PathLike) -> Any:
+def check_adapter_verify(opened: Checkpoint) -> None:
+    """`--verify --adapter_only` loads the adapter onto the folder training started from: it needs one."""
+    if not opened.lora:
+        return  # no adapter to verify: check_adapter_only says so
+    if not (opened.source and os.path.isdir(opened.source)):
+        raise ConfigError(
+            f"--verify with --adapter_only: the run did not start from a Hugging Face folder "
+            f"({opened.source or 'a preset'}) to load the adapter onto; export merged to verify"
+        )
+    if opened.config.wrapper:
+        raise ConfigError(
+            "--verify with --adapter_only: not for a multimodal folder; export merged to verify"
+        )
+
+
+def _peft_model(base: str, adapter: str | os.PathLike) -> Any:
+    """peft's model of the adapter folder as it is, on transformers' model of `base`, in fp32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with warnings.catch_warnings():
+        # peft checks its own fused experts' rank_pattern against target_modules only and calls it unused
+        warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return PeftModel.from_pretrained(hf, str(adapter)).eval()
+
+
+def _dequantizing(out: str | os.PathLike, cfg: ModelConfig) -> dict[str, Any]:
+    """from_pretrained's `quantization_config` for a folder holding quantized weights: its own, dequantizing
+    as it loads, on any device (transformers' FP8 and compressed-tensors loaders do so; without it, on a CPU,
+    the FP8 one dequantizes to bf16 whatever the dtype asked). {} for a folder without."""
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    conf = json.loads((Path(out) / "config.json").read_text())
+    levels = _quant_levels(conf)
+    if not levels:
+        return {}
+    level = levels[-1]  # a multimodal folder's text model's, where it has one
+    quant = AutoQuantizationConfig.from_dict(level["quantization_config"])
+    quant.dequantize = True
+    if "expert_dtype" in level:  # DeepSeek-V4's FP4 experts: declared beside the quantization_config
+        quant.expert_dtype = level["expert_dtype"]
+    return {"quantization_config": quant}
+
+
+def _text_model(cfg: ModelConfig, out: str | os.PathLike, **kwargs: Any) -> Any:
     """transformers' model of a multimodal folder's text model alone (its family's class, its tensors read from
     under the prefix; the vision tower's are left unread), in fp32."""
     import transformers
@@ -367,7 +553,9 @@ def _text_model(cfg: ModelConfig, out: str | os.PathLike) -> Any:
     config = getattr(transformers, cfg.variant.hf_config)(**text)
     hf_class = getattr(transformers, cfg.variant.architecture)
     prefix = {f"^{re.escape(cfg.hf_prefix)}": ""}
-    return hf_class.from_pretrained(str(out), config=config, dtype=torch.float32, key_mapping=prefix)
+    return hf_class.from_pretrained(
+        str(out), config=config, dtype=torch.float32, key_mapping=prefix, **kwargs
+    )
 
 
 # ------------------------------------------------------------------ CLI
@@ -384,10 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["bfloat16", "float32"],
         default=None,
-        help="weight dtype (default: that of the HF folder training started from, else float32); "
+        help="weight dtype (default: that of the HF folder training started from, else float32; a quantized "
+        "folder's quantized weights in its own form); given, every weight is written in it, unquantized; "
         "the expert bias is always float32",
     )
-    p.add_argument("--verify", action="store_true", help="load the result with transformers, compare logits")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="load the result with transformers (an --adapter_only folder with peft, onto the folder training "
+        "started from), compare logits with dstrain's",
+    )
     p.add_argument(
         "--adapter_only",
         action="store_true",
@@ -403,20 +597,28 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.checkpoint)
+    if args.verify and args.adapter_only:
+        check_adapter_verify(ckpt)  # before anything is written
     info = export(ckpt, args.out, args.dtype, args.adapter_only, args.force)
     dtype = info["dtype"]
+    quantized = "quantized" in info
     what = "PEFT adapter" if args.adapter_only else f"{len(info['files'])} safetensors file(s)"
+    form = "the source's quantized form, the rest " if quantized else ""
     print(
-        f"dstrain export: {info['checkpoint']} -> {info['out']} ({what}, {str(dtype).removeprefix('torch.')})"
+        f"dstrain export: {info['checkpoint']} -> {info['out']} ({what}, "
+        f"{form}{str(dtype).removeprefix('torch.')})"
     )
-    if args.verify and args.adapter_only:
-        print("dstrain export: --verify applies to merged exports; skipped for --adapter_only")
-    elif args.verify:
-        diff = verify(ckpt, args.out, dtype)
-        tol = TOLERANCE[dtype]
+    if quantized:
+        print(f"dstrain export: {error_summary(info['quantized'])}")
+    if args.verify:
+        diff = verify(ckpt, args.out, dtype, adapter_only=args.adapter_only, quantized=quantized)
+        tol = TOLERANCE[torch.float32 if quantized else dtype]
         ok = diff <= tol
+        how = "peft on transformers" if args.adapter_only else "transformers"
+        both = ", both dequantizing the folder written" if quantized else ""
         print(
-            f"dstrain export: verify: max |logits diff| {diff:.3g} (tolerance {tol:g}): {'ok' if ok else 'FAILED'}"
+            f"dstrain export: verify: max |logits diff| {diff:.3g} (tolerance {tol:g}, {how} against "
+            f"dstrain{both}): {'ok' if ok else 'FAILED'}"
         )
         return 0 if ok else 1
     return 0

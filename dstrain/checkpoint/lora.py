@@ -25,12 +25,15 @@ the caller makes something travel whole (vLLM then refuses the folder).
 peft 0.21 on transformers 5 (peft/utils/transformers_weight_conversion.py, peft/tuners/lora/layer.py
 ParamWrapper, as installed): transformers 5 fuses DeepSeek's routed experts into 3-D parameters, and peft maps
 every target whose leaf is gate_proj/up_proj/down_proj onto them and `gate` onto the router's weight
-(deepseek_v3 -> the qwen2_moe rules, by leaf name alone), converting per-expert adapter keys to match: a folder
-adapting attention, routed experts and routers loads as it is, but shared-expert and dense-MLP adapters load
-nowhere. `peft_loadable` writes the
-form that avoids this: experts as `target_parameters` (ParamWrapper, A (E*r', in) expert-major, B (out, r'*E)
-expert-fastest, gate_up_proj with r' = 2r holding gate's and up's adapters block-diagonally), the other MLP
-linears and the router as `target_parameters` on their `.weight`, the rest as exact `target_modules`.
+(deepseek_v3 -> the qwen2_moe rules, by leaf name alone), converting per-expert adapter keys to match:
+attention, routed experts and routers load as they are, but shared-expert and dense-MLP adapters would load
+nowhere. The serving folder therefore also names those linears' weights exactly, as `target_parameters` (peft
+keeps explicit ones, and a ParamWrapper on a linear's weight reads the same keys): `PeftModel.from_pretrained`
+loads it as written, adapters in place (vLLM and SGLang read the keys and the leaf names, not this field).
+`peft_loadable` writes another form peft loads: experts as `target_parameters` (ParamWrapper, A (E*r', in)
+expert-major, B (out, r'*E) expert-fastest, gate_up_proj with r' = 2r holding gate's and up's adapters
+block-diagonally), the other MLP linears and the router as `target_parameters` on their `.weight`, the rest as
+exact `target_modules`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ PEFT_PREFIX = "base_model.model."
 # peft 0.21 on transformers 5 re-targets LoRA on modules with these leaf names (even from an exact-path regex,
 # which it reduces to leaf names) onto the fused routed experts' parameters or the router's weight.
 PEFT_REMAPPED_LEAVES = ("gate", "gate_proj", "up_proj", "down_proj")
+# The leaves of those that name linears outside the routed experts (shared experts, dense MLPs).
+PEFT_MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
 _PER_EXPERT = re.compile(r"base_model\.model\.(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.lora_([AB])\.weight")
 
 
@@ -214,8 +219,24 @@ def write_peft_adapter(
         "target_modules": sorted(leaves),
         "modules_to_save": sorted(saved) or None,
     }
+    mlp = sorted(f"{p}.weight" for p in adapted if p.rpartition(".")[2] in PEFT_MLP_LEAVES)
+    if mlp and peft_fuses_experts(cfg):
+        # peft re-targets these leaf names onto the fused routed experts (module docstring): the MLP linears'
+        # weights named exactly keep their adapters in place; the engines read the keys, not this field.
+        config["target_parameters"] = mlp
     write_json(Path(out_dir) / ADAPTER_CONFIG, config, indent=2)
     return sorted(adapted)
+
+
+def peft_fuses_experts(cfg: ModelConfig) -> bool:
+    """Whether transformers (5) converts this model type's checkpoints, fusing its routed experts: then peft
+    re-targets gate_proj/up_proj/down_proj adapters (a model type it does not convert, e.g. kimi_k2's remote
+    code, keeps one module per expert and loads the leaf names as they are)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return False
+    return get_checkpoint_conversion_mapping(cfg.model_type) is not None
 
 
 def save_peft_adapter(

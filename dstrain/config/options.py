@@ -176,7 +176,7 @@ class ScheduleOptions:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     min_lr: float | None = None
-    """Learning rate at the end of the decay; default lr / 10."""
+    """Learning rate at the end of the decay."""
     warmup_steps: int = 5
     """Linear warmup steps: step k (1-based) of the warmup uses lr * k / warmup_steps."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -288,7 +288,9 @@ class LoRAOptions:
     """Comma-separated module names (as in Hugging Face checkpoints) to adapt under LoRA: a name selects the
     linears of that name or inside a module of that name (shared_experts = its gate/up/down_proj; o_proj
     includes the MTP blocks); `experts` adapts every routed expert's gate/up/down (per expert its own A and
-    B), `gate` the routers (not together with --train_router)."""
+    B), `gate` the routers (not together with --train_router). Default: the model family's (DeepSeek-V3
+    and V2: q_b_proj,kv_b_proj,o_proj,shared_experts; DeepSeek-V4:
+    q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts)."""
     train_router: bool | None = None
     """Train the MoE routers' weights. Default: yes in a full fine-tune, no under LoRA (every base weight
     frozen); --train_router opts in under LoRA. The expert bias is governed by --moe_bias_update_speed alone."""
@@ -435,15 +437,55 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     return out
 
 
+# Other tools' names for options that mean the same here (Hugging Face TrainingArguments, TRL, LLaMA-Factory),
+# accepted as flags and recipe keys: a command line or recipe brought from them needs no translating.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "model": ("model_name_or_path",),
+    "config": ("deepspeed",),
+    "micro_batch_size": ("per_device_train_batch_size",),
+    "adam_eps": ("adam_epsilon",),
+    "clip_grad": ("max_grad_norm",),
+    "epochs": ("num_train_epochs",),
+    "lr": ("learning_rate",),
+    "lr_schedule": ("lr_scheduler_type",),
+    "save_every": ("save_steps",),
+    "log_every": ("logging_steps",),
+    "eval_every": ("eval_steps",),
+    "lora_r": ("lora_rank",),
+    "lora_targets": ("lora_target",),
+    "dpo_beta": ("pref_beta",),
+}
+# Their names for what dstrain means differently (or has not): refused, with the flag to use instead.
+NEAR_FLAGS: dict[str, str] = {
+    "--max_seq_length": "use --seq_len (rows of that many tokens: samples are packed into them)",
+    "--max_length": "use --seq_len (rows of that many tokens: samples are packed into them)",
+    "--cutoff_len": "use --seq_len (rows of that many tokens: samples are packed into them)",
+    "--warmup_ratio": "use --warmup_steps (a number of steps)",
+    "--bf16": "use --precision bf16",
+    "--gradient_checkpointing": "use --activation_checkpointing",
+    "--beta": "use --dpo_beta",
+    "--loss_type": "use --dpo_loss (sigmoid or ipo)",
+    "--lora_dropout": "dstrain's LoRA has no dropout: leave it out",
+}
+# What the help shows as the default where the run decides it (dstrain.config.plan)
+SHOWN_DEFAULTS = {
+    "lr": "by the run: 3e-3 for a preset (pretraining); a --model folder's fine-tune 5e-6, under LoRA 5e-5; "
+    "DPO 1e-6, under LoRA 1e-5 (the run's first line says which)",
+    "min_lr": "by the run: lr / 10, or 1e-6 for a folder's fine-tune (5e-6 under LoRA)",
+    "lora_targets": "the model family's (above)",
+}
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="dstrain train",
         description="Train a DeepSeek-style MoE model with DeepSpeed. Flags override --recipe entries.",
+        near_flags=NEAR_FLAGS,
     )
     parser.add_argument("--recipe", help="TOML file of option = value entries (flags override it)")
     for title, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{title} options")
-        add_flags(group, cls)
+        add_flags(group, cls, SHOWN_DEFAULTS, ALIASES)
     return parser
 
 
@@ -472,7 +514,9 @@ def parse_options(argv: list[str]) -> Options:
     section_of = _section_of()
     values: dict[str, tuple[Any, str]] = {}
     if recipe_path:
+        canonical = {alias: name for name, names in ALIASES.items() for alias in names}
         for key, value in load_recipe(recipe_path).items():
+            key = canonical.get(key, key)
             if key not in section_of:
                 raise ConfigError(f"recipe {recipe_path}: unknown option {key!r}")
             values[key] = (value, f"recipe {recipe_path}:")

@@ -169,6 +169,7 @@ def prepare(
     check_local_sources(opts.data)
     if opts.objective.objective == "dpo":
         opts = _dpo_reference(opts, cfg)
+    opts = _family_lora_targets(opts, cfg)
     lora = opts.lora
     try:  # on a meta-device copy: a target matching nothing is one line before anything exists
         trains = trainable_counts(cfg, lora, opts.model.dsa_stage)
@@ -182,6 +183,19 @@ def prepare(
     return RunPlan(
         opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes, None, lr_origin, trains
     )
+
+
+def _family_lora_targets(opts: Options, cfg: Any) -> Options:
+    """--lora_targets not given: the model family's default (their names differ: V4 has no kv_b_proj)."""
+    if "lora_targets" in opts.given or opts.lora.lora_r <= 0:
+        return opts
+    family = family_of(cfg)
+    if not family.lora_targets:
+        raise ConfigError(
+            f"--lora_targets: {family.name} has no default LoRA targets; name the modules to adapt"
+        )
+    lora = dataclasses.replace(opts.lora, lora_targets=",".join(family.lora_targets))
+    return dataclasses.replace(opts, lora=lora)
 
 
 # The learning rates a run gets where no flag, recipe or DeepSpeed file sets one: the built-in demo's for a

@@ -68,11 +68,17 @@ def gpu_plan(opts: Options, world: int) -> tuple[RunPlan, Workload]:
             base = get_config(opts.model.model)
         except ValueError as exc:
             raise ConfigError(f"--model {opts.model.model}: {exc}") from None
-    plan = prepare(opts, world, device_type="cuda", model=base)
     try:
-        family_of(plan.model).refuse("memory_estimate", f"dstrain plan --model {opts.model.model}")
+        # before the run's checks: a family the estimate does not model is the first thing to say
+        cfg = base if base is not None else get_config(opts.model.model)
+    except ValueError:
+        cfg = None  # not a preset: prepare says so
+    try:
+        if cfg is not None:
+            family_of(cfg).refuse("memory_estimate", f"dstrain plan --model {opts.model.model}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    plan = prepare(opts, world, device_type="cuda", model=base)
     return plan, Workload.of(plan)
 
 

@@ -23,7 +23,7 @@ from dstrain.memory.estimate import device_warning
 from dstrain.model import kernel_paths
 
 from . import watchdog
-from .metrics import METRICS_FILE
+from .metrics import METRICS_FILE, plural
 from .preempt import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
 
@@ -110,12 +110,13 @@ def steps_of_epochs(plan: RunPlan) -> Options:
     from dstrain.data import epoch_rows, load_tokenizer
 
     opts, t0 = plan.opts, time.perf_counter()
-    rows = epoch_rows(opts.data, load_tokenizer(opts.data.tokenizer, plan.model_folder))
+    tok = load_tokenizer(opts.data.tokenizer, plan.model_folder)
+    rows = epoch_rows(opts.data, tok, opts.objective.objective)
     steps = math.ceil(opts.schedule.epochs * rows / plan.global_batch_rows)
     if dist.env_rank() == 0:
         print(
             f"dstrain: --epochs {opts.schedule.epochs:g}: one pass is {rows} rows of {opts.data.seq_len} tokens "
-            f"= {rows / plan.global_batch_rows:.1f} steps of {plan.global_batch_rows} rows -> {steps} steps "
+            f"= {rows / plan.global_batch_rows:.1f} steps of {plan.global_batch_rows} rows -> {plural(steps, 'step')} "
             f"(counted in {time.perf_counter() - t0:.1f} s)",
             flush=True,
         )
@@ -167,7 +168,7 @@ def train(plan: RunPlan) -> int:
     say(
         f"dstrain: {model} on {info.world_size} x {info.device.type} ({info.backend}), "
         f"{plan.dims.describe()}, ZeRO-{plan.stage}, {plan.precision}, {opts.optimizer.optimizer}, "
-        f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {opts.schedule.max_steps} steps, "
+        f"global batch {plan.global_batch_rows} x {opts.data.seq_len} tokens, {plural(opts.schedule.max_steps, 'step')}, "
         f"lr {opts.schedule.lr:g} -> {opts.schedule.min_lr:g}"
         + ("" if plan.lr_origin == "given" else f" ({plan.lr_origin}; --lr sets another)"),
         flush=True,

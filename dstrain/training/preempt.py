@@ -1,12 +1,14 @@
 """Stopping cleanly before a scheduler kills the job: SIGTERM / SIGUSR1 (what SLURM's `--signal` and
-Kubernetes send first) or --time_limit.
+Kubernetes send first), Ctrl-C (SIGINT) or --time_limit.
 
 A signal only sets a flag; after each optimizer step the ranks agree (the flags summed in the step's own
 all-reduce of its figures and read with them; a collective of their own after a step that saves or
 evaluates), so every rank stops after the same step even when one rank alone was signalled. The trainer then writes a complete
 checkpoint and the process exits with PREEMPTED_EXIT_CODE, which `launch/slurm.sbatch` turns into a requeue.
 Further signals are ignored from then on: the save finishes, and a kill that still comes (SIGKILL after the
-grace period) leaves a checkpoint without its COMPLETE marker, which no resume loads.
+grace period) leaves a checkpoint without its COMPLETE marker, which no resume loads. Ctrl-C is the exception:
+its first SIGINT stops like SIGTERM (rank 0 says so in one line), a second one ends the process at once, by
+SIGINT's default action (no traceback, no save: the newest complete checkpoint stays the one to resume from).
 
 scancel, a time limit and --signal reach every process of the job step: DataLoader workers ignore these
 signals (the rank decides), and from the rank's first one on a worker that dies anyway is no error: the rank
@@ -15,6 +17,7 @@ reads the rows it still needs itself (dstrain/data/loader.py, told by `watch_sto
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
@@ -25,7 +28,12 @@ from dstrain import dist
 from dstrain.data.loader import watch_stop
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the run resumes with --resume auto
-SIGNALS = ("SIGTERM", "SIGUSR1")  # DataLoader workers ignore them (data/loader.py WORKER_IGNORED_SIGNALS)
+# DataLoader workers ignore them (data/loader.py WORKER_IGNORED_SIGNALS): the rank decides
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+CTRL_C_LINE = (
+    "dstrain: Ctrl-C: stopping after this step with a complete checkpoint (--resume auto continues); "
+    "Ctrl-C again stops at once, unsaved\n"
+)
 
 
 class Preemption:
@@ -60,6 +68,12 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         self.received = self.received or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            # The next Ctrl-C is "stop now": the default action ends the process even inside a collective or
+            # a save, where a Python handler would wait for the call to return.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if dist.env_rank() == 0:
+                os.write(2, CTRL_C_LINE.encode())  # not print: the handler may interrupt a print
 
     def local_flags(self, step_time_s: float) -> torch.Tensor:
         """This rank's [signalled, out of time] (float64): summed over the ranks in the trainer's one
@@ -90,5 +104,6 @@ class Preemption:
             # From here on more signals change nothing: ignored (not left to the default action, which Python
             # restores while it exits), so the save and the exit with the documented code go through.
             for sig in self._previous:
-                signal.signal(sig, signal.SIG_IGN)
+                if sig != signal.SIGINT:  # a second Ctrl-C still stops at once (_on_signal)
+                    signal.signal(sig, signal.SIG_IGN)
         return signalled or out_of_time

@@ -9,7 +9,8 @@ document), and a resumed run reads it back from the run folder (`FILE`) whatever
 exactly the rows the run will read (its loader, read ahead over every step and rewound: the shuffle and the
 packing need not be predicted) and runs a reference forward only for steps holding a completion not seen
 before (a later epoch costs reading, not forwards); the ranks' tables are joined and rank 0 writes the file.
-Evaluation pairs are added by the same pass.
+Evaluation pairs are added by the same pass. The table records the steps its pass covered: a run resumed with
+more steps extends it before its checkpoint loads, while the engine still holds the initial model.
 
 TRL's `precompute_ref_log_probs` does the same per dataset row; dstrain keys by content because its rows are
 packed and re-sharded.
@@ -30,6 +31,8 @@ from dstrain import dist
 from dstrain.atomic import write_atomic
 from dstrain.batch import IGNORE_INDEX, document_index, to_device
 from dstrain.errors import CheckpointError, DataError
+
+from .metrics import plural
 
 FILE = "dpo_reference.safetensors"
 
@@ -55,8 +58,10 @@ def document_keys(batch: dict[str, torch.Tensor]) -> list[bytes]:
 class Table:
     """Completion key -> its reference log-probability (summed over its target tokens)."""
 
-    def __init__(self, logps: dict[bytes, float] | None = None) -> None:
+    def __init__(self, logps: dict[bytes, float] | None = None, steps: int | None = None) -> None:
         self.logps: dict[bytes, float] = dict(logps or {})
+        # the --max_steps its first pass covered (None: a table written before that was kept)
+        self.steps = steps
 
     def __len__(self) -> int:
         return len(self.logps)
@@ -69,10 +74,14 @@ class Table:
         try:
             values = [self.logps[k] for k in keys]
         except KeyError:
+            covered = f"the run's first {self.steps} steps" if self.steps is not None else "the run's steps"
             raise DataError(
-                "data: a preference pair the DPO reference pass never saw (the data changed since the run "
-                f"started, or --max_steps grew past the pass over it): start a new run (the reference is {FILE} "
-                "in the run folder)"
+                "data: a preference pair the DPO reference pass never saw: it read the data of "
+                f"{covered} with the initial model (the reference, {FILE} in the run folder), and this run "
+                "reads others: the data changed since (or the table predates the extension of a resumed run "
+                "with a larger --max_steps). To train on them: a new run (another --output_dir) with the same "
+                "--model and this --data, whose pass covers them; or `dstrain export` this run and fine-tune "
+                "that folder as --model (the trained model is then the reference)"
             ) from None
         return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
@@ -82,7 +91,7 @@ class Table:
             return self
         parts: list[Any] = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, self.logps)
-        out = Table()
+        out = Table(steps=self.steps)
         for p in parts:
             out.logps.update(p)
         return out
@@ -99,15 +108,21 @@ class Table:
             else torch.zeros(0, 16, dtype=torch.uint8),
             "logps": torch.tensor([self.logps[k] for k in keys], dtype=torch.float64),
         }
-        write_atomic(str(path), save(tensors, metadata={"format": "dstrain-dpo-reference-1"}))
+        metadata = {"format": "dstrain-dpo-reference-1"}
+        if self.steps is not None:
+            metadata["steps"] = str(self.steps)
+        write_atomic(str(path), save(tensors, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Table:
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         t = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            steps = (f.metadata() or {}).get("steps")
         keys = [bytes(row) for row in t["keys"].numpy()]
-        return cls(dict(zip(keys, t["logps"].tolist(), strict=True)))
+        return cls(dict(zip(keys, t["logps"].tolist(), strict=True)), int(steps) if steps else None)
 
 
 def find(output_dir: str, resume_path: str | None) -> Path | None:
@@ -119,8 +134,12 @@ def find(output_dir: str, resume_path: str | None) -> Path | None:
 
 
 def open_table(trainer: Any) -> Table:
-    """The run's reference table: read back on resume, else computed by the first pass and written."""
+    """The run's reference table: read back on resume, else computed by the first pass and written. Called
+    before a resumed run loads its checkpoint: the engine still holds the initial model, so a run resumed with
+    a larger --max_steps than its pass covered extends the table with the steps past them."""
     path = Path(trainer.output_dir) / FILE
+    end = trainer.opts.schedule.max_steps
+    known = None
     if trainer.resume_path is not None:
         found = find(trainer.output_dir, trainer.resume_path)
         if found is None:
@@ -128,23 +147,32 @@ def open_table(trainer: Any) -> Table:
                 f"resume {trainer.resume_path}: --objective dpo with a precomputed reference needs its {FILE}, "
                 "found neither in the run folder nor beside the checkpoint"
             )
-        table = Table.load(found)
-        if trainer.info.is_main and found != path:  # the run folder keeps its own copy for later resumes
-            table.save(path)
-        return table
+        known = Table.load(found)
+        if known.steps is None or end <= known.steps:  # (a table without its steps: as it is)
+            if trainer.info.is_main and found != path:  # the run folder keeps its own copy for later resumes
+                known.save(path)
+            return known
     t0 = time.perf_counter()
     if trainer.verbose:
-        print(f"dstrain: DPO reference: a first pass over the run's {trainer.opts.schedule.max_steps} steps of "
-              "data with the initial model", flush=True)  # fmt: skip
-    table, steps = first_pass(trainer)
+        what = plural(end, "step")
+        if known is None:
+            print(f"dstrain: DPO reference: a first pass over the run's {what} of data with the initial model",
+                  flush=True)  # fmt: skip
+        else:
+            print(f"dstrain: DPO reference: its pass covered {plural(known.steps, 'step')}, the run goes to "
+                  f"{end}: extending it with the initial model, before the checkpoint loads", flush=True)  # fmt: skip
+    table, steps = first_pass(trainer, known)
+    table.steps = end
     table = table.joined()
+    if known is not None:
+        table.logps = known.logps | table.logps
     if trainer.info.is_main:
         table.save(path)
     dist.barrier()
     if trainer.verbose:
         print(
             f"dstrain: DPO reference: {len(table)} completions' log-probabilities from the initial model "
-            f"(forwards for {steps} steps{' and the eval set' if trainer.evaluator else ''}, "
+            f"(forwards for {plural(steps, 'step')}{' and the eval set' if trainer.evaluator else ''}, "
             f"{time.perf_counter() - t0:.1f} s), in {path}",
             flush=True,
         )
@@ -152,13 +180,14 @@ def open_table(trainer: Any) -> Table:
 
 
 @torch.no_grad()
-def first_pass(trainer: Any) -> tuple[Table, int]:
+def first_pass(trainer: Any, known: Table | None = None) -> tuple[Table, int]:
     """This rank's entries: every step of the run's data (its loader, read ahead and rewound), a reference
-    forward for each step holding a completion not seen before on some rank, then the eval set. -> (the
-    entries, the steps that ran a forward)."""
+    forward for each step holding a completion not seen before on some rank (nor in `known`, a table being
+    extended), then the eval set. -> (the entries, the steps that ran a forward)."""
     dpo, table, loader = trainer.dpo, Table(), trainer.loader
     start = loader.state_dict()
-    seen: set[bytes] = set()  # this rank's completions (a pipeline's first stages compute no log-probability)
+    # this rank's completions (a pipeline's first stages compute no log-probability), and the known ones
+    seen: set[bytes] = set(known.logps) if known is not None else set()
     forwards = 0
     try:
         for _ in range(trainer.opts.schedule.max_steps):

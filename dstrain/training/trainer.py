@@ -103,7 +103,7 @@ class Trainer:
         if self.eval_rows is None and opts.data.evaluates:
             from dstrain.data import build_eval_rows
 
-            self.eval_rows = build_eval_rows(opts.data, self._tokenizer())
+            self.eval_rows = build_eval_rows(opts.data, self._tokenizer(), opts.objective.objective)
         if self.eval_rows is not None:
             micro = opts.layout.micro_batch_size
             rows, pairs = local_batches(self.eval_rows, micro, self.data_rank, self.dims.data), None
@@ -144,10 +144,10 @@ class Trainer:
             self._clip_with_the_exact_norm()
         self.model = model
         store.install_safe_loading(self.engine)
+        if self.dpo is not None and self.dpo.precomputed:  # before the checkpoint: extending it needs the
+            self.dpo.table = reference.open_table(self)  # initial model, which the engine holds until then
         if self.resume_path is not None:
             self._resume(self.resume_path)
-        if self.dpo is not None and self.dpo.precomputed:
-            self.dpo.table = reference.open_table(self)
 
     def _show_optimizer_table(self, table: str | None) -> None:
         """Which optimizer steps each parameter (Muon runs only): printed, and written to the run folder."""
@@ -188,6 +188,7 @@ class Trainer:
             dp_rank=self.data_rank,
             dp_world=self.dims.data,
             seed=self.opts.run.seed,
+            objective=self.opts.objective.objective,
         )
 
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -591,6 +592,8 @@ class Trainer:
 
     def _log(self, run: _Run, rec: dict[str, Any], end: int) -> None:
         rec["mfu"] = run.log.mfu(rec)
+        if note := run.log.over_peak(rec["mfu"]):
+            run.display.write(note)
         self.history.append(rec)
         if rec["moe_imbalance"] and (warning := self.collapse.update(rec["moe_imbalance"], rec["lr"])):
             run.display.write(warning)

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import dstrain.checkpoint.export as ex
 from dstrain.checkpoint import store
@@ -17,13 +18,16 @@ from dstrain.checkpoint.weights import save_weights
 from dstrain.cli import main as dstrain_main
 from dstrain.model import from_pretrained
 from dstrain.model.common.lora import lora_modules, merge_lora
+from dstrain.model.deepseek_v3.state_dict import to_hf
 from dstrain.model.hf.files import SAFE_INDEX
+from dstrain.model.hf.quantize import quantize_fp8
 from dstrain.training.finetune import apply_finetune_options
-from tests.helpers.hf import make_hf_model, read_folder, v2_config, v3_config
+from tests.helpers.hf import make_hf_model, official_folder, read_folder, v2_config, v3_config
 from tests.helpers.runs import read_weights, train
 from tests.helpers.tiny import byte_tokenizer
 from tests.helpers.trainer import make_options
 from tests.model.common.test_lora import expected_default, randomize_adapters
+from tests.model.hf.test_kimi_k25 import raw_tensors
 
 
 def test_round_trip_is_bit_identical(trained, tmp_path, capsys):
@@ -171,6 +175,58 @@ def test_adapter_only_loads_with_peft(tmp_path, caplog):
         assert (hf(input_ids=ids, use_cache=False).logits - again(ids).logits).abs().max() <= 1e-5
 
 
+def test_adapter_only_with_shared_experts_loads_in_peft_as_written(tmp_path, capsys):
+    """The README's targets (shared experts among them): the folder `--adapter_only` writes loads with
+    `PeftModel.from_pretrained` unchanged and gives the merged export's logits (peft alone re-targets
+    shared_experts' gate/up/down_proj onto the routed experts: 0.05 off, issue 60.3); `--verify` checks that
+    folder with peft, and refuses a run that started from no Hugging Face folder before writing."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    make_hf_model(v3_config()).save_pretrained(base)
+    ours = from_pretrained(base, dtype=torch.float32).eval()
+    opts = make_options(
+        ["--lora_r", "4", "--lora_targets", "q_b_proj,kv_b_proj,o_proj,shared_experts,experts"]
+    )
+    apply_finetune_options(ours, opts.lora, opts.run.seed)
+    randomize_adapters(ours)
+    ckpt = fake_checkpoint(tmp_path / "step_00000000", ours, base)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    argv = ["export", str(ckpt), "--dtype", "float32", "--verify"]
+    assert dstrain_main([*argv, "--out", str(merged)]) == 0
+    assert dstrain_main([*argv, "--out", str(adapter), "--adapter_only"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    diff = float(
+        re.search(r"verify: max \|logits diff\| (\S+) \(tolerance 0.0001, peft on transformers", line)[1]
+    )
+    assert diff <= 1e-5 and line.endswith(": ok")
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in conf["target_parameters"]
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(conf["target_modules"])  # the engines' leaf names
+    ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(ids).logits
+        effect = (plain(ids).logits - want).abs().max()
+        peft = PeftModel.from_pretrained(plain, adapter).eval()
+        wrapped = [n for n, m in peft.named_modules() if hasattr(m, "lora_A")]
+        assert any("shared_experts.gate_proj" in n for n in wrapped)
+        got = peft(input_ids=ids, use_cache=False).logits
+    assert effect > 0.1 and (got - want).abs().max() <= 1e-5
+
+    preset = from_pretrained(base, dtype=torch.float32).eval()
+    apply_finetune_options(preset, opts.lora, opts.run.seed)
+    ckpt2 = fake_checkpoint(tmp_path / "p" / "step_00000000", preset, "tiny")
+    argv = ["export", str(ckpt2), "--out", str(tmp_path / "a2"), "--adapter_only", "--verify"]
+    assert dstrain_main(argv) == 2
+    assert (
+        "--verify with --adapter_only: the run did not start from a Hugging Face folder"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "a2").exists()
+
+
 def test_v2_lite_style_folder_fine_tunes_and_exports(tmp_path, capsys, rank_pools):
     """A V2-Lite-shaped folder transformers wrote (no q_lora_rank, softmax routing, no expert bias, no MTP):
     0 steps -> export gives its exact bits back as deepseek_v2; 2 LoRA steps -> merged export loads in
@@ -268,3 +324,126 @@ def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, capl
     assert not [r for r in caplog.records if "tokenizer" in r.getMessage().lower()], caplog.text
     text = "<｜User｜>Hello<｜Assistant｜>Hi there"
     assert tok(text)["input_ids"] == load_tokenizer(None)(text)["input_ids"]
+
+
+# ------------------------------------------------------------------ the source's quantized form
+FP8_LINEAR = re.compile(
+    r"(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|eh_proj"
+    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
+)
+V3_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def v3_fp8_folder(path):
+    """A DeepSeek-V3-style FP8 folder: the official layout (MTP layer), every projection e4m3 with an fp32
+    `weight_scale_inv` per 128x128 block (amax / 448), the rest bf16; quantization_config as V3's."""
+    path.mkdir()
+    official_folder(path, shards=1)
+    byte_tokenizer().save_pretrained(path)
+    dense = {}
+    for f in path.glob("*.safetensors"):
+        dense.update(load_file(f))
+        f.unlink()
+    (path / SAFE_INDEX).unlink(missing_ok=True)
+    files = {}
+    for k, t in dense.items():
+        if FP8_LINEAR.search(k):
+            files[k], files[k + "_scale_inv"] = quantize_fp8(t.float(), torch.float32)
+        else:
+            files[k] = t
+    save_file(files, path / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "quantization_config": V3_FP8}, indent=2))
+    return path
+
+
+def check_same_bytes(src, out) -> None:
+    """Every tensor of `out` is `src`'s: name, dtype, shape, bytes."""
+    a, b = raw_tensors(src), raw_tensors(out)
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_untrained_fp8_folder_exports_byte_identical_and_verifies(tmp_path, capsys):
+    """V3-style FP8 (fp32 block scales; weights held in bf16, which does not hold q x scale: the source's
+    scale is kept where the block is still on its grid) -> the very tensors; quantization_config kept;
+    --verify loads it with transformers' FP8 loader (dequantizing on the CPU); --dtype bfloat16: today's."""
+    src = v3_fp8_folder(tmp_path / "src")
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", from_pretrained(src), src)
+    out = tmp_path / "out"
+    assert dstrain_main(["export", str(ckpt), "--out", str(out), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "weights quantized, all exactly" in printed and ": ok" in printed, printed
+    check_same_bytes(src, out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == V3_FP8
+    ex.export(ckpt, tmp_path / "bf16", dtype="bfloat16")
+    plain = read_folder(tmp_path / "bf16")
+    assert (
+        not any(k.endswith("_scale_inv") for k in plain) and plain[next(iter(plain))].dtype == torch.bfloat16
+    )
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+
+
+def test_untrained_v4_fp8_and_fp4_folder_exports_byte_identical(tmp_path, capsys):
+    """DeepSeek-V4 as published (FP8 e8m0 128x128 blocks, FP4 experts in 1x32 e8m0 blocks, DeepSeek's names)
+    -> the very tensors, quantization_config and expert_dtype kept; transformers dequantizes it on the CPU."""
+    from tests.model.deepseek_v4.test_state_dict import _ds_folder, _ds_model, _quantized_folder
+
+    _quantized_folder(tmp_path / "src", _ds_folder(tmp_path / "plain", _ds_model()))
+    src = tmp_path / "src"
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", from_pretrained(src), src)
+    assert dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "out"), "--verify"]) == 0
+    assert ": ok" in capsys.readouterr().out
+    check_same_bytes(src, tmp_path / "out")
+    conf = json.loads((tmp_path / "out" / "config.json").read_text())
+    want = json.loads((src / "config.json").read_text())
+    assert (conf["quantization_config"], conf["expert_dtype"]) == (want["quantization_config"], "fp4")
+
+
+def test_untrained_int4_folder_exports_byte_identical(tmp_path, capsys):
+    """Kimi-K2.5 (compressed-tensors INT4 experts, packed by the package) -> the very tensors, vision tower
+    included, text_config's quantization_config kept; verified by transformers' compressed-tensors loader."""
+    from tests.model.hf.test_kimi_k25 import k25_folder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    k25_folder(src)
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", from_pretrained(src), src)
+    assert dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "out"), "--verify"]) == 0
+    assert ": ok" in capsys.readouterr().out
+    check_same_bytes(src, tmp_path / "out")
+    conf, want = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "out", src))
+    assert conf["text_config"]["quantization_config"] == want["text_config"]["quantization_config"]
+
+
+def test_lora_is_merged_into_the_dequantized_base_then_quantized(tmp_path, capsys):
+    """LoRA on attention and the routed experts of an FP8 folder: each adapted weight is written as
+    quantize(dequantized base + (alpha / r) B A) exactly, the others byte for byte; the error is printed and
+    transformers' dequantization of the folder verified."""
+    src = v3_fp8_folder(tmp_path / "src")
+    model = from_pretrained(src, dtype=torch.float32)
+    model.config.bias_update_speed = 0.0
+    opts = make_options(["--lora_r", "4", "--lora_targets", "q_b_proj,o_proj,experts", "--no-train_router"])
+    apply_finetune_options(model, opts.lora, opts.run.seed)
+    randomize_adapters(model)
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", model, src)
+    assert dstrain_main(["export", str(ckpt), "--out", str(tmp_path / "out"), "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "relative RMS error mean" in printed and ": ok" in printed, printed
+    opened = store.open_checkpoint(ckpt)
+    merged = dict(to_hf(ex.merge_stream(read_weights(ckpt), opened.lora), opened.config))
+    source, got = read_folder(src), read_folder(tmp_path / "out")
+    moved = 0
+    for key, w in merged.items():
+        if key + "_scale_inv" not in source:
+            continue
+        want = quantize_fp8(w, torch.float32, keep=source[key + "_scale_inv"])
+        assert torch.equal(got[key].view(torch.uint8), want[0].view(torch.uint8)), key
+        assert torch.equal(got[key + "_scale_inv"], want[1]), key
+        moved += not torch.equal(got[key].view(torch.uint8), source[key].view(torch.uint8))
+    assert moved >= 3 * 2 + 8 * 3 * 2  # q_b_proj and o_proj of 3 blocks (MTP's too), every routed expert

@@ -294,8 +294,9 @@ def test_trained_router_travels_as_modules_to_save(base, tmp_path, ids, router):
 # ------------------------------------------------------------------ the trap
 def test_peft_trap_is_real_and_the_conversion_avoids_it(base, tmp_path, ids):
     """peft 0.21 on transformers 5 turns LoRA targets named gate_proj/up_proj/down_proj (even spelled as an
-    exact-path regex) into targets on the fused routed experts: loaded as it is, a serving folder with
-    shared-expert adapters puts them nowhere. Without such targets (experts, router, attention) peft's own
+    exact-path regex) into targets on the fused routed experts: a serving folder with shared-expert adapters
+    and leaf names alone puts them nowhere; with their weights named as target_parameters (as written) it loads
+    them in place. Without such targets (experts, router, attention) peft's own
     per-expert conversion loads the serving folder as it is, with dstrain's logits: the per-expert keys mean to
     peft what they mean to dstrain. `peft_loadable` loads either."""
     from peft import LoraConfig, get_peft_model
@@ -307,11 +308,16 @@ def test_peft_trap_is_real_and_the_conversion_avoids_it(base, tmp_path, ids):
 
     shared = adapted(base, ["shared_experts"])
     save_peft_adapter(shared, tmp_path / "shared", str(base))
-    direct = peft_model(base, tmp_path / "shared")
+    want = dstrain_logits(shared, ids)
+    # the serving folder names the shared experts' weights as target_parameters: loaded as written, in place
+    assert (peft_logits(base, tmp_path / "shared", ids) - want).abs().max() <= 1e-5
+    conf = json.loads((tmp_path / "shared" / ADAPTER_CONFIG).read_text())
+    del conf["target_parameters"]
+    (tmp_path / "shared" / ADAPTER_CONFIG).write_text(json.dumps(conf))
+    direct = peft_model(base, tmp_path / "shared")  # leaf names alone: the trap
     assert not any("shared_experts" in n for n in wrapped(direct))
     with torch.no_grad():
         lost = direct(input_ids=ids, use_cache=False).logits
-    want = dstrain_logits(shared, ids)
     assert (lost - want).abs().max() > 1e-2
     peft_loadable(tmp_path / "shared", tmp_path / "shared_peft")
     assert (peft_logits(base, tmp_path / "shared_peft", ids) - want).abs().max() <= 1e-5

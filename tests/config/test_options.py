@@ -136,3 +136,34 @@ def test_data_and_lora_targets_are_checked_before_anything_exists(flags, message
     err = capsys.readouterr().err
     assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_other_tools_names_are_accepted_or_pointed_to_ours(tmp_path):
+    """LLaMA-Factory's and Hugging Face's names for the same options set them (flags and recipe keys); their
+    names for what dstrain does otherwise are refused naming the flag to use; a hidden flag (--local_rank) is
+    no suggestion."""
+    argv = ["--lora_rank", "8", "--learning_rate", "2e-5", "--num_train_epochs", "2"]
+    argv += ["--per_device_train_batch_size", "3", "--lora_target", "q_b_proj", "--max_grad_norm", "0.5"]
+    opts = parse_options([*argv, "--logging_steps", "7", "--lr_scheduler_type", "linear"])
+    assert (opts.lora.lora_r, opts.schedule.lr, opts.schedule.epochs) == (8, 2e-5, 2.0)
+    assert (opts.layout.micro_batch_size, opts.lora.lora_targets, opts.optimizer.clip_grad) == (
+        3,
+        "q_b_proj",
+        0.5,
+    )
+    assert (opts.logging.log_every, opts.schedule.lr_schedule) == (7, "linear")
+    assert {"lora_r", "lr", "epochs", "micro_batch_size", "lora_targets"} <= opts.given
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("learning_rate = 1e-5\nlora_rank = 16\n")
+    from_recipe = parse_options(["--recipe", str(recipe)])
+    assert (from_recipe.schedule.lr, from_recipe.lora.lora_r) == (1e-5, 16)
+    with pytest.raises(ConfigError, match=r"\(--max_seq_length: use --seq_len"):
+        parse_options(["--max_seq_length", "512"])
+    with pytest.raises(ConfigError, match=r"\(--lora_rnk: did you mean --lora_rank\?\)"):
+        parse_options(["--lora_rnk", "8"])
+    with pytest.raises(ConfigError) as info:
+        parse_options(["--local_rnk", "8"])
+    assert "--local_rank" not in str(info.value)
+    text = " ".join(build_parser().format_help().split())
+    assert "--lr LR, --learning_rate LR" in text and "(default: 0.003)" not in text
+    assert "5e-6, under LoRA 5e-5; DPO 1e-6" in text  # a fine-tune's, not the preset's

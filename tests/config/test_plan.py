@@ -68,3 +68,31 @@ def test_the_default_lr_follows_the_kind_of_run(tmp_path):
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-5}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     assert sched(*folder, "--config", str(tmp_path / "ds.json"))[::2] == (2e-5, "given")
+
+
+def test_lora_targets_default_to_the_model_familys_own(monkeypatch):
+    """Without --lora_targets each family adapts its own modules (V4 has no kv_b_proj: V3's names stopped every
+    V4 LoRA run); given targets stay as given; a family without defaults asks for them in one line."""
+    import dataclasses
+
+    import pytest
+
+    from dstrain.config.plan import _family_lora_targets
+    from dstrain.errors import ConfigError
+    from dstrain.model import family_of, get_config
+
+    v4 = prepare(make_options(["--model", "tiny-v4", "--lora_r", "4"]), 1)
+    assert v4.opts.lora.lora_targets == "q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts"
+    leaves = {name.rpartition(".")[2] for name in v4.trains[2]}
+    assert leaves == {"q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"}
+    v3 = prepare(make_options(["--lora_r", "4"]), 1)
+    assert v3.opts.lora.lora_targets == "q_b_proj,kv_b_proj,o_proj,shared_experts"
+    given = prepare(make_options(["--model", "tiny-v4", "--lora_r", "4", "--lora_targets", "kv_proj"]), 1)
+    assert given.opts.lora.lora_targets == "kv_proj"
+    assert prepare(make_options(["--model", "tiny-v4"]), 1).trains[2] == ()  # no LoRA: no targets
+
+    cfg = get_config("tiny")
+    bare = dataclasses.replace(family_of(cfg), lora_targets=())
+    monkeypatch.setattr("dstrain.config.plan.family_of", lambda c: bare)  # a family naming no default
+    with pytest.raises(ConfigError, match="--lora_targets: deepseek_v3 has no default LoRA targets"):
+        _family_lora_targets(make_options(["--lora_r", "4"]), cfg)

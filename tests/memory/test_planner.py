@@ -58,6 +58,9 @@ def test_moonlight_from_its_config_json_alone(capsys, tmp_path):
         (["--model", "deepseek-v3", "--tp", "3", "--num_gpus", "8"], "world size 8 is not divisible by --pp 1 x --tp 3"),
         (["--model", "nope", "--num_gpus", "8"], "--model nope"),
         (["--model", "deepseek-v3", "--num_gpus", "0"], "--num_gpus 0"),
+        # the family the estimate does not model comes first, before a LoRA target of another family's names
+        (["--model", "tiny-v4", "--lora_r", "8", "--lora_targets", "kv_b_proj", "--num_gpus", "8"],
+         "dstrain plan --model tiny-v4: the memory estimate does not model DeepSeek-V4 yet"),
     ],
 )  # fmt: skip
 def test_mistakes_are_one_line_errors(capsys, args, message):

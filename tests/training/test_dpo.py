@@ -1,7 +1,8 @@
 """--objective dpo: sequence log-probabilities against transformers', the loss and its gradients against TRL's
 DPOTrainer on the same log-probabilities, the adapters-off reference against an explicit copy, the precomputed
 reference (keys, table, against the live one, full fine-tunes in layouts and resumed), the options' refusals,
-and DPO runs in the pool of ranks (one process, ZeRO-2/3 on 2 ranks, the layouts) and their eval figures."""
+and DPO runs in the pool of ranks (one process, ZeRO-2/3 on 2 ranks, the layouts; DeepSeek-V4's) and their eval
+figures."""
 
 from __future__ import annotations
 
@@ -188,13 +189,15 @@ def test_dpo_options_and_refusals():
     full = prepare(make_options(["--objective", "dpo"]), 1, model=tiny_config())
     assert full.opts.objective.dpo_reference == "precomputed"
     assert (full.opts.lora.train_router, full.opts.lora.train_mtp) == (False, False)  # as under LoRA
+    v4 = prepare(opts, 1, model=tiny_v4_config())  # DeepSeek-V4 alike, its own default LoRA targets
+    assert v4.opts.objective.dpo_reference == "adapters" and "kv_proj" in v4.opts.lora.targets
+    assert (v4.model.bias_update_speed, v4.model.aux_loss_alpha, v4.model.mtp_loss_weight) == (0.0, 0.0, 0.0)
     refusals = {
         "--dpo_reference adapters needs --lora_r > 0": (
             ["--objective", "dpo", "--dpo_reference", "adapters"],
             1,
             tiny_config(),
         ),
-        "--objective dpo: DeepSeek-V4": (["--objective", "dpo", "--lora_r", "4"], 1, tiny_v4_config()),
     }
     for message, (flags, world, cfg) in refusals.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -388,6 +391,47 @@ def test_full_fine_tune_dpo_starts_at_log2_and_its_reference_is_the_initial_mode
     assert history[-1]["rewards/margins"] > 1e-3 and history[-1]["loss"] < math.log(2)
 
 
+V4_DPO = "--max_steps 3 --micro_batch_size 2 --gradient_accumulation_steps 2"  # 4 pair rows a step
+
+
+def dpo_v4_one_process(rank_pools, tmp_path) -> list[dict]:  # noqa: ANN001
+    """Full fine-tune DPO on the tiny DeepSeek-V4, one process, the same 4 rows (8 pairs) every step (once
+    per session)."""
+    args = (str(tmp_path), "v4_one", f"--config zero1 {V4_DPO}", 4)
+    return rank_pools.cached("dpo_v4_one", 1, "tests.training.worker:dpo_v4_run", *args)[0]
+
+
+@pytest.mark.multirank
+def test_deepseek_v4_dpo_starts_at_log2_and_learns(tmp_path, rank_pools):
+    """Full fine-tune DPO (the precomputed reference) on the tiny DeepSeek-V4 (CSA, HCA and sliding attention,
+    a hash layer, mHC, MTP), one process: the policy at step 1 is the initial model, then it ranks the step's
+    pairs (seen: 0.693, 0.676, 0.645)."""
+    history = dpo_v4_one_process(rank_pools, tmp_path)
+    first = history[0]  # the same forward as the reference pass's: the loss log 2 to fp32's rounding of it
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
+    assert first["pairs"] == 8 and history[2]["loss"] < history[1]["loss"]
+    assert all(r["rewards/accuracies"] == 1.0 and r["loss"] < math.log(2) - 0.01 for r in history[1:])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["sp2", "pp2"])
+def test_deepseek_v4_dpo_layouts_match_one_process(tmp_path, rank_pools, layout):
+    """V4's own sequence parallelism (whole rows' keys and compressed entries gathered, the halo) and a
+    pipeline (the streams and token ids crossing the stages) under full DPO equal one process within the
+    layout bounds of the V3 tests (seen: 1e-7 relative at most)."""
+    one = dpo_v4_one_process(rank_pools, tmp_path)
+    worker = "tests.training.worker:dpo_v4_run"
+    ranks = rank_pools.run(
+        2, worker, str(tmp_path), f"v4_{layout}", f"--config zero1 --{layout[:2]} 2 {V4_DPO}", 4
+    )
+    for res in ranks:
+        for a, b in zip(one, res, strict=True):
+            for key in ("loss", "grad_norm", "logps/chosen"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (layout, key, a[key], b[key])
+            for key in METRICS[:3]:
+                assert abs(a[key] - b[key]) <= 1e-6, (layout, key, a[key], b[key])
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["zero3", "pp2", "sp2"])
 def test_full_fine_tune_dpo_layouts_match_one_process(tmp_path, rank_pools, layout):
@@ -441,3 +485,35 @@ def test_the_reference_pass_covers_every_epoch_of_real_data(tmp_path, rank_pools
     assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
     assert [r["table"] for r in res] == [24, 24] and len(res[0]["history"]) == 8
     assert res[0]["history"][-1]["rewards/accuracies"] > 0.5
+
+
+@pytest.mark.multirank
+def test_a_finished_full_dpo_run_extends_its_reference_when_resumed_further(
+    tmp_path, rank_pools, small_model
+):
+    """A 2-step full DPO run resumed to 6 steps: its reference pass covered 2 steps, so before the checkpoint
+    loads (the engine still the initial model) the pass is extended over the steps past them, and the table
+    equals a straight 6-step run's (the same forwards of the same rows)."""
+    from tests.helpers.runs import train
+
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i in range(30):
+            f.write(
+                json.dumps({"prompt": f"{i} plus {i}?", "chosen": f"{2 * i}.", "rejected": f"{2 * i + 1}."})
+            )
+            f.write("\n")
+    flags = ["--model", str(small_model), "--objective", "dpo", "--data", str(tmp_path / "pairs.jsonl")]
+    flags += ["--seq_len", "128", "--micro_batch_size", "1", "--no-plots", "--no-tensorboard"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    train(rank_pools, [*flags, "--max_steps", "2", "--output_dir", str(run)])
+    two = Table.load(run / "dpo_reference.safetensors")
+    out = train(rank_pools, [*flags, "--max_steps", "6", "--output_dir", str(run), "--resume", "auto"]).stdout
+    assert "its pass covered 2 steps, the run goes to 6: extending it with the initial model" in out
+    train(rank_pools, [*flags, "--max_steps", "6", "--output_dir", str(straight)])
+    extended = Table.load(run / "dpo_reference.safetensors")
+    want = Table.load(straight / "dpo_reference.safetensors")
+    assert (two.steps, extended.steps, want.steps) == (2, 6, 6) and len(two) < len(extended)
+    assert extended.logps.keys() == want.logps.keys()
+    assert all(abs(extended.logps[k] - v) <= 1e-6 * abs(v) for k, v in want.logps.items())
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]

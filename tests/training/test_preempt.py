@@ -22,7 +22,7 @@ import time
 import pytest
 
 from dstrain.data.loader import WORKER_IGNORED_SIGNALS
-from dstrain.training.preempt import PREEMPTED_EXIT_CODE, SIGNALS
+from dstrain.training.preempt import CTRL_C_LINE, PREEMPTED_EXIT_CODE, SIGNALS
 from tests.helpers.ranks import free_port
 from tests.helpers.tiny import ROOT
 
@@ -161,14 +161,15 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-# SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone
-@pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True)])
+# SIGTERM to the group with a worker SIGKILLed covers SIGTERM to the group alone; SIGINT to the group is Ctrl-C
+@pytest.mark.parametrize(("sig", "kill_worker"), [("SIGUSR1", False), ("SIGTERM", True), ("SIGINT", False)])
 def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
     sig, kill_worker, straight, run_flags, rank_pools, tmp_path
 ):
     """scancel, a time limit and --signal signal every process of the job step, the ranks' DataLoader workers
-    included (here: the ranks' process group): the workers leave it to their rank, and a worker killed anyway
-    once the rank has its signal (SIGKILLed here) changes nothing."""
+    included (here: the ranks' process group), as Ctrl-C in a terminal does: the workers leave it to their
+    rank, and a worker killed anyway once the rank has its signal (SIGKILLed here) changes nothing. Ctrl-C is
+    said in one line (rank 0's)."""
     assert set(WORKER_IGNORED_SIGNALS) == set(SIGNALS)
     run = tmp_path / "run"
     flags = [*run_flags, "--num_workers", "1"]
@@ -188,8 +189,49 @@ def test_signal_to_every_process_stops_with_a_checkpoint_and_resume_is_exact(
     text = "".join(seen) + text
     assert codes == [PREEMPTED_EXIT_CODE] * 2, text[-3000:]
     assert f"({sig})" in text and "Traceback" not in text, text[-3000:]
+    assert text.count(CTRL_C_LINE.strip()) == (sig == "SIGINT"), text[-3000:]
     stopped = (run / "checkpoints" / "latest").read_text().strip()
     assert 3 <= int(stopped.split("_")[1]) < STEPS and (run / "checkpoints" / stopped / "COMPLETE").is_file()
 
     _resume(rank_pools, run, flags)
     assert _losses(run) == straight  # with a worker per rank: the same rows
+
+
+def test_second_ctrl_c_stops_at_once_without_a_traceback(model, tmp_path):
+    """Ctrl-C twice (to the process group, as a terminal sends it): the first starts the stop with a save, the
+    second ends the rank at once by SIGINT's default action (the shell's exit 130), no traceback; one rank.
+    A step of 64 micro batches lasts long enough (about a second) for the second to come inside it."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = [
+        *ARGS,
+        *model,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1000",
+        "--gradient_accumulation_steps",
+        "64",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "dstrain/train.py", *flags],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 1/"):
+            os.killpg(proc.pid, signal.SIGINT)
+        if line.startswith("dstrain: Ctrl-C"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    t0 = time.monotonic()
+    text = "".join(seen) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == -signal.SIGINT and time.monotonic() - t0 < 30, text[-3000:]
+    assert text.count(CTRL_C_LINE.strip()) == 1 and "Traceback" not in text, text[-3000:]
+    assert not (out / "checkpoints" / "latest").exists()  # ended inside the step: nothing saved

@@ -172,3 +172,90 @@ def test_the_collapse_warning_fires_on_collapsed_routing_only():
     assert line.startswith("dstrain: warning: routing collapsed in layer(s) 2: the busiest expert has 10.67")
     assert "at most 10.67 = experts / top-k" in line and "lower --lr (now 0.003)" in line
     assert CollapseWatch(64, 6).update({"layer_1": 10.67}, 1e-5) is None  # one step is no collapse
+
+
+def test_the_runs_loaders_read_the_data_as_its_objective_does(tmp_path):
+    """Issue 60.1 / 60.2: `--objective dpo` on chats is the data's one-line refusal before the model is built;
+    SFT on pairs trains their chosen side (dstrain/data: tests/data/test_preference_users.py)."""
+    from dstrain.config.options import parse_options
+    from dstrain.config.plan import prepare
+    from dstrain.dist import DistInfo
+    from dstrain.errors import DataError
+    from dstrain.training.trainer import Trainer
+    from tests.helpers.data_files import chat_rows, write_jsonl
+
+    chats = write_jsonl(tmp_path / "chats.jsonl", chat_rows(5))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "good", "rejected": "bad"}])
+    info = DistInfo(0, 1, 0, 1, torch.device("cpu"), "gloo")
+
+    def trainer(args: list[str]) -> Trainer:
+        plan = prepare(parse_options([*args, "--config", "zero1"]), 1, model=tiny_config())
+        return Trainer(
+            plan.with_output_dir(str(tmp_path / "run")), info, tokenizer=byte_tokenizer(), verbose=False
+        )
+
+    with pytest.raises(
+        DataError, match=f"^data: --objective dpo trains on preference pairs, but {chats} reads as chat"
+    ):
+        trainer(["--data", chats, "--objective", "dpo", "--lora_r", "4"])._build_loader()
+    loader = trainer(["--data", pairs, "--num_workers", "0", "--seq_len", "32"])._build_loader()
+    assert [s.fmt for s in loader._sources] == ["chosen"]
+    labels = next(loader)["labels"][0]
+    assert byte_tokenizer().decode(labels[labels >= 0].tolist()) == "good<|im_end|>"
+
+
+def test_the_cpu_peak_is_the_best_window_and_mfu_above_it_is_said_once(monkeypatch):
+    """On a shared CPU the matmuls of some windows wait for other processes: the peak is the best window's
+    rate, not the mean (which made MFU read 116%); a step above the peak anyway shows "mfu >100%" and one line
+    saying the peak is low, metrics.jsonl keeping the figure."""
+    from dstrain.training import metrics
+
+    clock = {"t": 0.0, "calls": 0}
+    fast, slow = 2.0**-10, 2.0**-8  # seconds a call (a product): exact in binary, so the windows end exactly
+
+    def perf_counter() -> float:  # the first 9 calls (3 windows of 1 product) slow: interrupted windows
+        clock["calls"] += 1
+        clock["t"] += slow if clock["calls"] <= 9 else fast
+        return clock["t"]
+
+    monkeypatch.setattr(metrics.time, "perf_counter", perf_counter)
+    window = 2.0**-7
+    peak = metrics._time_matmuls.__wrapped__(torch.float32, 1, window * metrics.PEAK_WINDOWS)
+    # an uninterrupted window: 7 products in 2^-7 s (a call starts it, the 8th ends it)
+    assert peak == 2 * metrics.PEAK_N**3 * 7 / window / 1e12
+
+    log = metrics.RunLog(None, tiny_config(), 1, 0.05, "measured matmul", 1)
+    rec = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 1.16}
+    assert metrics._short(rec).endswith("mfu >100%")
+    assert metrics._short({**rec, "mfu": 0.5}).endswith("mfu 50.0%")
+    note = log.over_peak(1.16)
+    assert note.startswith("dstrain: MFU 116% against 0.05 TFLOP/s (measured matmul): that peak is too low")
+    assert log.over_peak(1.2) is None and log.over_peak(0.5) is None
+
+
+def test_the_dpo_progress_line_has_its_margin_and_accuracy_and_counts_read_right():
+    from dstrain.training.metrics import _short, plural
+
+    rec = {"loss": 0.6931, "lr": 1e-6, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1}
+    dpo = {**rec, "rewards/margins": 0.01234, "rewards/accuracies": 0.75}
+    assert _short(dpo).startswith("loss 0.6931 margin 0.0123 acc 75.0% lr 1.00e-06")
+    assert "margin" not in _short(rec)
+    assert [plural(n, "step") for n in (0, 1, 2)] == ["0 steps", "1 step", "2 steps"]
+
+
+def test_a_full_dpo_reference_says_how_far_it_reaches_and_how_to_go_further(tmp_path):
+    """The table keeps the steps its pass covered (a resumed run going further extends it: test_dpo.py); a pair
+    it never saw (the data changed) stops the run with what to do instead."""
+    from dstrain.errors import DataError
+    from dstrain.training.reference import Table
+
+    table = Table({b"k" * 16: -3.5}, steps=12)
+    table.save(tmp_path / "ref.safetensors")
+    back = Table.load(tmp_path / "ref.safetensors")
+    assert back.steps == 12 and back.lookup([b"k" * 16], torch.device("cpu")).tolist() == [-3.5]
+    with pytest.raises(DataError) as info:
+        back.lookup([b"x" * 16], torch.device("cpu"))
+    message = str(info.value)
+    assert "it read the data of the run's first 12 steps with the initial model" in message
+    assert "a new run (another --output_dir) with the same --model and this --data" in message
+    assert "`dstrain export` this run and fine-tune that folder as --model" in message

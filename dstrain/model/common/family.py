@@ -43,9 +43,12 @@ class Family:
     """(cfg, source folder) -> a context giving the (key, SafetensorsFile) pairs an export copies byte for byte
     from the folder the model came from (a multimodal checkpoint's vision tower); [] by default."""
     unsupported: Mapping[str, str] = field(default_factory=dict)
-    """What it does not do yet -> the one-line reason a run that asks for it is refused: "tp" (tensor
-    parallelism), "adapter_only" (exporting LoRA adapters alone), "memory_estimate" (`dstrain plan`), "dpo"
-    (`--objective dpo`)."""
+    """What it does not do yet -> the one-line reason a run that asks for it is refused: "tp", "pp", "ep",
+    "sp" (tensor, pipeline, expert, sequence parallelism), "adapter_only" (exporting LoRA adapters alone),
+    "memory_estimate" (`dstrain plan`), "dpo" (`--objective dpo`)."""
+    lora_targets: tuple[str, ...] = ()
+    """The default --lora_targets: the module names (as in its checkpoints) a LoRA fine-tune adapts when the
+    run names none; () for none, and a LoRA run must then name them."""
     splits_heads: bool = True
     """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
 

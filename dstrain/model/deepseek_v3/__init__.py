@@ -24,6 +24,8 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full", "attention", "mlp"),
     copied_tensors=tensors_beside,
+    # MLA's up-projections and output, the shared experts' linears (the MTP blocks' too)
+    lora_targets=("q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),
 )
 
 __all__ = ["FAMILY", "DeepSeekLM", "ModelConfig"]

@@ -28,9 +28,10 @@ FAMILY = Family(
         "adapters is built): drop --adapter_only",
         "memory_estimate": "the memory estimate does not model DeepSeek-V4 yet: its parameters are "
         "`dstrain.model.param_counts`; measure a short run for its activations",
-        "dpo": "DeepSeek-V4 does not return per-token losses yet (the sequence log-probabilities DPO needs); "
-        "DPO runs on the DeepSeek-V3 family",
     },
+    # V3's default, in V4's attention: the query up-projection (the CSA indexer's q_b_proj included), the one
+    # key=value projection (the compressors' included), the grouped low-rank output, the shared experts
+    lora_targets=("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts"),
     splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
 )
 
