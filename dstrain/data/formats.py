@@ -76,7 +76,7 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
     )
     half = _half_pair(cols, chat)  # a preference layout recognised, and what it lacks
     if half and requested in ("auto", "preference") and not (preference or chat or instruction):
-        raise DataError(f"data: {where}: {half} (columns {_listing(cols)})")
+        raise DataError(f"data: {where}: {half} (columns {listing(cols)})")
     if requested == "auto":
         if preference:  # before chat: UltraFeedback's pairs come with a `messages` column too
             return "preference"
@@ -87,7 +87,7 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
         if text_field in cols:
             return "text"
         raise DataError(
-            f"data: cannot detect the format of {where}: columns {_listing(cols)}; expected messages or "
+            f"data: cannot detect the format of {where}: columns {listing(cols)}; expected messages or "
             f"conversations (chat), instruction + output/instances (instruction), or {text_field!r} (text, "
             "see --text_field)"
         )
@@ -102,7 +102,7 @@ def detect_format(requested: str, columns: list[str], text_field: str, where: st
     if requested == "preference" and not preference:
         raise DataError(
             f"data: missing field 'chosen' or 'rejected' (or 'messages' + 'rejected_response') in {where} "
-            f"(columns {_listing(cols)})"
+            f"(columns {listing(cols)})"
         )
     if requested == "instruction" and not instruction:
         missing = "instruction" if "instruction" not in cols else "output' or 'instances"
@@ -120,7 +120,7 @@ def _half_pair(cols: set, chat: str | None) -> str:
     return ""
 
 
-def _listing(cols) -> str:
+def listing(cols) -> str:
     """Column names for a one-line message (a JSON object that is not a record may have hundreds)."""
     names = sorted(cols)
     more = f", ... (+{len(names) - 12} more)" if len(names) > 12 else ""

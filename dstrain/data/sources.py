@@ -403,7 +403,7 @@ def resolve_sources(opts: DataOptions, objective: str | None = None) -> list[Sou
     """All sources of `opts.data` with their format detected; the formats must agree on pretrain vs SFT.
     `objective` (a run's --objective; None: the data tools, which read the data as it is): `dpo` refuses a
     source that is not preference pairs, `sft` reads preference pairs' chosen side only (format `chosen`)."""
-    from .formats import _listing, detect_format
+    from .formats import detect_format, listing
 
     sources = [resolve(spec, weight) for spec, weight in split_spec(opts.data)]
     for src in sources:
@@ -413,7 +413,7 @@ def resolve_sources(opts: DataOptions, objective: str | None = None) -> list[Sou
         if objective == "dpo" and src.fmt != "preference":
             raise DataError(
                 f"data: --objective dpo trains on preference pairs, but {src.spec} reads as {src.fmt} data "
-                f"(columns {_listing(src.columns)}): give pairs (`chosen` + `rejected`, or `messages` + "
+                f"(columns {listing(src.columns)}): give pairs (`chosen` + `rejected`, or `messages` + "
                 "`rejected_response`: docs/training.md, preference tuning) or drop --objective dpo"
             )
         if objective == "sft" and src.fmt == "preference":
