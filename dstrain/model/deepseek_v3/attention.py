@@ -13,7 +13,7 @@ from torch import nn
 from ..common.attention import AttentionLayout, apply_rope, attend, inverse_frequencies, yarn_mscale
 from ..common.dsa import SparseSettings, sparse_attention
 from ..common.kernels import Linear
-from ..common.layers import RMSNorm
+from ..common.mla import LatentProjections
 from .config import ModelConfig
 
 
@@ -72,7 +72,7 @@ class Indexer(nn.Module):
         return q, k, w
 
 
-class MLA(nn.Module):
+class MLA(LatentProjections):
     """Multi-head latent attention with decoupled rotary keys (one rotary key head shared by all heads); with
     DeepSeek Sparse Attention (dsa.py), each query attends only to the keys its layer's indexer chose."""
 
@@ -82,19 +82,7 @@ class MLA(nn.Module):
     head_sum: Any = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
-        super().__init__()
-        self.cfg = cfg
-        h, d = cfg.num_attention_heads, cfg.hidden_size
-        if cfg.q_lora_rank is None:
-            self.q_proj = Linear(d, h * cfg.qk_head_dim, bias=False)
-        else:
-            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        super().__init__(cfg)
         self.scale = softmax_scale(cfg)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
         self.sparse = (
@@ -106,20 +94,8 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        qr = None
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            qr = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(qr)
-        # Heads are read off the projection by reshape, so `tp` can split q_b/kv_b columns by whole heads.
-        q = q.view(b, t, -1, cfg.qk_head_dim)
+        q, qr, k_nope, k_rope, v = self.project(x)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(
-            b, t, -1, cfg.qk_nope_head_dim + cfg.v_head_dim
-        )
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         cos, sin = rope
         q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave)

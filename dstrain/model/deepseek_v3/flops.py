@@ -4,18 +4,8 @@ instantiated)."""
 from __future__ import annotations
 
 from ..common.counts import lm_param_counts
+from ..common.mla import mla_params
 from .config import ModelConfig
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.q_lora_rank is None:
-        q = d * h * cfg.qk_head_dim
-    else:
-        q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
-    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return q + kv + h * cfg.v_head_dim * d
 
 
 def _indexer_params(cfg: ModelConfig) -> int:
@@ -26,7 +16,7 @@ def _indexer_params(cfg: ModelConfig) -> int:
 def _block_params(cfg: ModelConfig, layer_idx: int) -> tuple[int, int]:
     """(total, active per token) parameters of one block."""
     d = cfg.hidden_size
-    common = _attention_params(cfg) + 2 * d
+    common = mla_params(cfg) + 2 * d
     if cfg.has_indexer(layer_idx):
         common += _indexer_params(cfg)
     if not cfg.is_moe_layer(layer_idx):

@@ -3,18 +3,8 @@
 from __future__ import annotations
 
 from ..common.counts import lm_param_counts
+from ..common.mla import mla_params
 from .config import KimiLinearConfig
-
-
-def _mla_params(cfg: KimiLinearConfig) -> int:
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.q_lora_rank is None:
-        q = d * h * cfg.qk_head_dim
-    else:
-        q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
-    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return q + kv + h * cfg.v_head_dim * d
 
 
 def _kda_params(cfg: KimiLinearConfig) -> int:
@@ -35,7 +25,7 @@ def _kda_params(cfg: KimiLinearConfig) -> int:
 
 def _block_params(cfg: KimiLinearConfig, layer_idx: int) -> tuple[int, int]:
     d = cfg.hidden_size
-    common = (_kda_params(cfg) if cfg.is_kda_layer(layer_idx) else _mla_params(cfg)) + 2 * d
+    common = (_kda_params(cfg) if cfg.is_kda_layer(layer_idx) else mla_params(cfg)) + 2 * d
     if not cfg.is_moe_layer(layer_idx):
         ffn = 3 * d * cfg.intermediate_size
         return common + ffn, common + ffn
