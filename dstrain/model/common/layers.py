@@ -175,3 +175,36 @@ def update_expert_bias(routers: list[nn.Module], load: torch.Tensor, gamma: floa
         if router.e_score_correction_bias is not None:
             layer_load = layer_load.float().to(router.e_score_correction_bias.device)
             router.e_score_correction_bias.add_(gamma * torch.sign(layer_load.mean() - layer_load))
+
+
+class MoE(nn.Module):
+    """A DeepSeekMoE layer: the router, the fine-grained routed experts and the shared experts (any family's
+    config with the DeepSeek-V3 MoE fields)."""
+
+    seq_parallel: Any = None  # see DeepSeekLM
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, real: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call. `real` (B, T) bool:
+        the positions holding a token (None: all); padding is computed but counted nowhere."""
+        b, t, d = x.shape
+        cfg = self.cfg
+        scores, idx, weights = self.gate(x.reshape(-1, d))
+        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
+        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
+        return out, aux, load

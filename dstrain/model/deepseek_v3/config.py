@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import DEEPSEEK_V3_VOCAB, TRAINING_FIELDS
+from ..common.config import DEEPSEEK_V3_VOCAB, TRAINING_FIELDS, config_from_folder
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
@@ -549,13 +548,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> ModelConfig:
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
-        with open(cfg_file) as f:
-            cfg = cls.from_hf_dict(json.load(f))
-        cfg.hf_source["folder"] = os.path.abspath(path)  # what save_pretrained copies a vision tower from
-        return cfg
+        return config_from_folder(cls, path)
 
 
 def _sparse_attention_fields(d: dict[str, Any], variant: str) -> dict[str, Any]:

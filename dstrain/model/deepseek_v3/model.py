@@ -21,41 +21,11 @@ from dstrain.batch import real_pairs, real_tokens, sequence_halo
 from ..common.attention import AttentionLayout, attention_layout, rope_cos_sin
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
-from ..common.layers import MLP, Experts, RMSNorm, Router, sequence_balance, update_expert_bias
+from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
 from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
 from ..common.output import ModelOutput
 from .attention import MLA, rope_frequencies
 from .config import ModelConfig
-
-
-class MoE(nn.Module):
-    seq_parallel: Any = None  # see DeepSeekLM
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-            if cfg.n_shared_experts
-            else None
-        )
-
-    def forward(
-        self, x: torch.Tensor, real: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> output, sequence-balance loss (mean over rows), expert load (E,) of this call. `real` (B, T) bool:
-        the positions holding a token (None: all); padding is computed but counted nowhere."""
-        b, t, d = x.shape
-        cfg = self.cfg
-        scores, idx, weights = self.gate(x.reshape(-1, d))
-        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        normed = scores / scores.sum(dim=-1, keepdim=True) if cfg.scoring_func == "sigmoid" else scores
-        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
-        return out, aux, load
 
 
 class Block(nn.Module):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import DEEPSEEK_V3_VOCAB, TRAINING_FIELDS
+from ..common.config import DEEPSEEK_V3_VOCAB, TRAINING_FIELDS, config_from_folder
 
 MODEL_TYPE = "deepseek_v4"
 ARCHITECTURE = "DeepseekV4ForCausalLM"
@@ -532,13 +531,7 @@ class V4Config:
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> V4Config:
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
-        with open(cfg_file) as f:
-            cfg = cls.from_hf_dict(json.load(f))
-        cfg.hf_source["folder"] = os.path.abspath(path)
-        return cfg
+        return config_from_folder(cls, path)
 
 
 def _normalised_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import TRAINING_FIELDS
+from ..common.config import TRAINING_FIELDS, config_from_folder
 
 MODEL_TYPE = "kimi_linear"
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -291,13 +290,7 @@ class KimiLinearConfig:
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> KimiLinearConfig:
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
-        with open(cfg_file) as f:
-            cfg = cls.from_hf_dict(json.load(f))
-        cfg.hf_source["folder"] = os.path.abspath(path)
-        return cfg
+        return config_from_folder(cls, path)
 
 
 def _read_keys() -> set[str]:

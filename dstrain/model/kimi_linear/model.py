@@ -20,37 +20,13 @@ from dstrain.batch import real_tokens, sequence_halo
 
 from ..common.attention import AttentionLayout, attention_layout
 from ..common.kda import KDA, document_starts
-from ..common.layers import MLP, Experts, RMSNorm, Router, sequence_balance, update_expert_bias
+from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
 from ..common.loss import Head, combine_losses, lm_losses
 from ..common.output import ModelOutput
 from .attention import NoPEMLA
 from .config import KimiLinearConfig
 
 A_LOG_SHAPE = (1, 1)  # Kimi's checkpoints hold A_log as (1, 1, H, 1)
-
-
-class MoE(nn.Module):
-    seq_parallel: Any = None
-
-    def __init__(self, cfg: KimiLinearConfig) -> None:
-        super().__init__()
-        self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = MLP(cfg.hidden_size, shared) if shared else None
-
-    def forward(
-        self, x: torch.Tensor, real: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> output, sequence-balance loss, expert load (E,); `real` (B, T): positions holding a token."""
-        b, t, d = x.shape
-        scores, idx, weights = self.gate(x.reshape(-1, d))
-        out = self.experts(x.reshape(-1, d), idx, weights).view(b, t, d)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        normed = scores / scores.sum(dim=-1, keepdim=True)
-        aux, load = sequence_balance(normed.view(b, t, -1), idx.view(b, t, -1), real, self.seq_parallel)
-        return out, aux, load
 
 
 class Block(nn.Module):
