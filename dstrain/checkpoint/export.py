@@ -41,7 +41,7 @@ from dstrain.model.hf.quantize import SourceForms
 from dstrain.model.registry import on_meta
 
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
-from .store import Checkpoint, open_checkpoint
+from .store import Checkpoint, checkpoint_weights, open_checkpoint
 from .weights import iter_weights
 
 log = logging.getLogger("dstrain.export")
@@ -182,7 +182,7 @@ def export(
     if adapter_only:
         whole = travels_whole(lora, cfg)
         adapters, extra = {}, {}
-        for key, t in iter_weights(ckpt):
+        for key, t in iter_weights(ckpt):  # a stored base's frozen weights stay in its folder
             if is_lora_key(key):
                 adapters[key] = t.to(dt)
             elif whole(key):
@@ -197,9 +197,9 @@ def export(
 
     def hf_items() -> Iterator[tuple[str, torch.Tensor]]:
         if forms is None:
-            yield from hf_tensors(merge_stream(iter_weights(ckpt), lora), cfg, dt)
+            yield from hf_tensors(merge_stream(checkpoint_weights(opened), lora), cfg, dt)
             return
-        for item in merge_stream(iter_weights(ckpt), lora):
+        for item in merge_stream(checkpoint_weights(opened), lora):
             exact = list(hf_tensors([item], cfg, None))  # in fp32, as the checkpoint holds it
             if not any(k in forms for k, _ in exact):
                 yield from hf_tensors([item], cfg, dt)
@@ -414,7 +414,7 @@ def _checkpoint_model(opened: Checkpoint, dtype: torch.dtype, adapter_only: bool
         raise CheckpointError(f"checkpoint {ckpt}: lora.json's targets no longer select its adapted modules")
     state = ref.state_dict(keep_vars=True)
     filled = set()
-    for key, t in iter_weights(ckpt):
+    for key, t in checkpoint_weights(opened):
         if key not in state:
             raise CheckpointError(f"checkpoint tensor {key} is not in the model")
         state[key].data.copy_(t)

@@ -211,6 +211,48 @@ class Checkpoint:
     """The --model the run started from (a preset name or an HF folder), None where unrecorded."""
     tokenizer: str | None = None
     """The run's --tokenizer (None: the folder's own, else the bundled one)."""
+    base: dict[str, Any] | None = None
+    """A stored frozen base (--base_precision stored): the folder holding the weights the checkpoint does not
+    copy, and its identity (`check_base`); None where the checkpoint holds every weight."""
+
+
+def check_base(base: dict[str, Any], what: str) -> None:
+    """The folder of a stored base is still the one the run trained on (files' sizes, headers' hash): else a
+    CheckpointError naming `what` needs it."""
+    from dstrain.model.hf import folder_identity
+
+    folder = base["folder"]
+    try:
+        now = folder_identity(folder)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{what} reads its frozen base from {folder}, which cannot be read ({exc})"
+        ) from None
+    if now != base["identity"]:
+        raise CheckpointError(
+            f"{what} reads its frozen base from {folder}, whose files changed since the run started (sizes or "
+            "headers differ): restore that folder"
+        )
+
+
+def checkpoint_weights(opened: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the checkpoint's model, full fp32, one at a time: the checkpoint's own, then those a
+    stored base left in its folder (dequantized as a dense load reads them)."""
+    from .weights import iter_weights
+
+    seen = set()
+    for key, t in iter_weights(opened.path):
+        seen.add(key)
+        yield key, t
+    if opened.base is None:
+        return
+    from dstrain.model.sources import Weights, model_shapes
+
+    check_base(opened.base, f"checkpoint {opened.path}")
+    with Weights(opened.config, 0, folder=opened.base["folder"]) as weights:
+        for key in model_shapes(opened.config):
+            if key not in seen and key not in weights.missing:
+                yield key, weights.read(key).float()
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -221,7 +263,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     except CheckpointError:
         state = {}
     config = read_model_config(ckpt)
-    return Checkpoint(ckpt, config, load_lora_settings(ckpt), state.get("model"), state.get("tokenizer"))
+    return Checkpoint(
+        ckpt, config, load_lora_settings(ckpt), state.get("model"), state.get("tokenizer"), state.get("base")
+    )
 
 
 # ------------------------------------------------------------------ save / load

@@ -298,6 +298,12 @@ class LoRAOptions:
     """Train the multi-token-prediction modules. Default: yes in a full fine-tune, no under LoRA (frozen whole,
     the adapters on their linears included); --train_mtp opts in under LoRA: their own weights in full and
     their adapters."""
+    base_precision: Literal["auto", "stored", "bf16"] = "auto"
+    """How a quantized --model folder's frozen weights are held under LoRA: `stored`, as the files store them
+    (FP8 blocks, V4's FP4 experts, INT4 experts: codes and scales, dequantized layer by layer when used; half
+    of bf16's bytes for FP8, about a quarter for FP4/INT4, the same computation); `bf16`, dequantized once
+    into the run's precision. Default (auto): stored for a quantized folder under LoRA (nothing is lost: the
+    frozen base computes the same values, in a fraction of the memory), else dequantized."""
 
     def __post_init__(self) -> None:
         if self.lora_r < 0 or (self.lora_r > 0 and self.lora_alpha <= 0):

@@ -65,6 +65,8 @@ class RunPlan:
     """Where --lr (and --min_lr) came from: "given" (flag, recipe or the DeepSpeed file), or the default."""
     trains: tuple[int, int, tuple[str, ...]] = (1, 1, ())
     """(elements that train, all elements, LoRA-adapted module names): `model.build.trainable_counts`."""
+    stored_base: bool = False
+    """The frozen weights the folder stores quantized are held in that form (--base_precision)."""
 
     @property
     def global_batch_rows(self) -> int:
@@ -180,9 +182,78 @@ def prepare(
             f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
+    stored, why = _base_precision(opts, folder, cfg, dims)
     return RunPlan(
-        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes, None, lr_origin, trains
-    )
+        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes + why, None, lr_origin,
+        trains, stored,
+    )  # fmt: skip
+
+
+def _base_precision(
+    opts: Options, folder: str | None, cfg: Any, dims: ParallelDims
+) -> tuple[bool, tuple[str, ...]]:
+    """--base_precision resolved: (hold the frozen quantized weights stored, the line saying so). A folder
+    with only its config.json (`dstrain plan`) is quantized when the config says so."""
+    asked = opts.lora.base_precision
+    quantized = folder is not None and folder_is_quantized(folder, cfg)
+    if asked == "stored" and not quantized:
+        raise ConfigError(
+            "--base_precision stored: needs a --model folder with quantized weights (FP8, FP4 or INT4); "
+            f"{opts.model.model} has none"
+        )
+    if asked == "stored" and opts.lora.lora_r == 0:
+        raise ConfigError("--base_precision stored: a full fine-tune trains every weight; add --lora_r")
+    stored = quantized and opts.lora.lora_r > 0 and asked != "bf16"
+    if stored and dims.tp > 1 and has_weights(folder):
+        _check_stored_tp(opts, folder, cfg, dims)
+    if not quantized:
+        return False, ()
+    if stored:
+        return True, (
+            "frozen base: the folder's quantized weights kept as stored (--base_precision stored, the default "
+            "under LoRA: the same values in their stored bytes; bf16 dequantizes them)",
+        )
+    return False, ("frozen base: the folder's quantized weights dequantized into the run's precision",)
+
+
+def _check_stored_tp(opts: Options, folder: str, cfg: Any, dims: ParallelDims) -> None:
+    """The tensor-parallel split of every stored weight takes whole blocks of its parts (FP8's 128 x 128
+    scales, INT4's groups): tried on a meta-device model, before anything is allocated."""
+    from dstrain.model.build import finetune_on_meta
+    from dstrain.model.common.stored import store_base
+    from dstrain.model.sources import open_folder
+    from dstrain.parallel.dims import Groups
+    from dstrain.parallel.tp import apply_tensor_parallel
+
+    model, _ = finetune_on_meta(cfg, opts.lora, opts.model.dsa_stage)
+    with open_folder(folder, cfg) as reader:
+        store_base(model, reader)
+    try:
+        apply_tensor_parallel(model, Groups(dims, 0, 0, 0, 0, 0, 0))
+    except ValueError as exc:
+        raise ConfigError(
+            f"--tp {dims.tp} with --base_precision stored: {exc}; --base_precision bf16 splits it"
+        ) from None
+
+
+def has_weights(path: str) -> bool:
+    from dstrain.model.hf import checkpoint_files
+
+    try:
+        return bool(checkpoint_files(path))
+    except ValueError:
+        return False
+
+
+def folder_is_quantized(path: str, cfg: ModelConfig) -> bool:
+    """Whether the folder stores any of the model's weights quantized (its files' headers; a folder of
+    config.json alone: its quantization_config)."""
+    from dstrain.model.sources import open_folder
+
+    if not has_weights(path):
+        return "quantization_config" in getattr(cfg, "extra", {})
+    with open_folder(path, cfg) as reader:
+        return any(reader.stored_form(k) for k in reader.sources)
 
 
 def _family_lora_targets(opts: Options, cfg: Any) -> Options:

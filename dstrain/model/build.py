@@ -71,14 +71,20 @@ def trainable_counts(cfg: Any, lora: Any, dsa_stage: str | None) -> tuple[int, i
     `lora` (lora_r, lora_alpha, targets, train_router, train_mtp) and the resolved sparse-attention stage,
     marked on a meta-device copy by the functions a run's build calls (apply_lora, set_trainable). ValueError
     for targets that match nothing."""
+    model, names = finetune_on_meta(cfg, lora, dsa_stage)
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total, tuple(names)
+
+
+def finetune_on_meta(cfg: Any, lora: Any, dsa_stage: str | None) -> tuple[nn.Module, list[str]]:
+    """The model on meta with the LoRA options applied (`trainable_counts`) -> (model, adapted module names)."""
     from .common.lora import apply_lora, set_trainable
 
     model = build_model(cfg, device="meta")
     names = apply_lora(model, lora.lora_r, lora.lora_alpha, lora.targets) if lora.lora_r > 0 else []
     stage = dsa_stage if cfg.sparse_attention else None
     set_trainable(model, bool(lora.train_router), bool(lora.train_mtp), stage)
-    total = sum(p.numel() for p in model.parameters())
-    return sum(p.numel() for p in model.parameters() if p.requires_grad), total, tuple(names)
+    return model, names
 
 
 def _checkpoint_dtype(path: str) -> torch.dtype | None:

@@ -18,6 +18,7 @@ from torch import nn
 from dstrain.model.common.experts import Adapters, combine, group_by_expert, grouped_swiglu
 from dstrain.model.common.layers import Experts
 from dstrain.model.common.lora import EXPERT_ADAPTERS, LoRAExperts
+from dstrain.model.common.stored import StoredExperts
 
 from .comm import all_to_all, exchange_counts
 from .dims import Groups
@@ -43,7 +44,11 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         self.limit = experts.limit  # DeepSeek-V4's SwiGLU clamp
         if self.lora:
             self.r, self.alpha, self.scale = experts.r, experts.alpha, experts.scale
-        for name in ("gate_up_proj", "down_proj", *(EXPERT_ADAPTERS if self.lora else ())):
+        base: tuple[str, ...] = ("gate_up_proj", "down_proj")
+        if isinstance(experts.gate_up_proj, StoredExperts):  # a stored base: this rank's experts' codes only
+            self.gate_up_proj = experts.gate_up_proj.local(self.first, self.num_local_experts)
+            self.down_proj, base = None, ()
+        for name in (*base, *(EXPERT_ADAPTERS if self.lora else ())):
             full = getattr(experts, name)
             local = full.detach()[self.first : self.first + self.num_local_experts].clone()
             param = nn.Parameter(local, requires_grad=full.requires_grad)

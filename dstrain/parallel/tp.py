@@ -29,6 +29,7 @@ from torch import nn
 from dstrain.model.common.kernels import Linear, linear
 from dstrain.model.common.layers import MLP
 from dstrain.model.common.lora import LoRALinear
+from dstrain.model.common.stored import StoredWeight
 from dstrain.model.deepseek_v3.attention import MLA
 
 from .comm import copy_to_group, reduce_from_group, reduce_sum, sync_grad_tail
@@ -108,18 +109,23 @@ def _swap(old: nn.Linear, cls: type, dim: int | None, g: Groups) -> Linear:
     """A `cls` holding this rank's slice of `old` along weight dim `dim` (None: the whole weight); the LoRA
     version of `cls` with adapters sliced to match when `old` has adapters."""
     size, rank = g.dims.tp, g.tp_rank
-    w = old.weight.detach()
+    stored = isinstance(old.weight, StoredWeight)  # a stored base: its slice of whole blocks (stored.py)
+    w = old.weight if stored else old.weight.detach()
     bias = old.bias.detach() if old.bias is not None else None
     if dim is not None:
-        w = w.chunk(size, dim=dim)[rank]
+        w = w.tp_slice(dim, rank, size) if stored else w.chunk(size, dim=dim)[rank]
         if bias is not None and dim == 0:
             bias = bias.chunk(size)[rank]
     new = cls(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
-    new.weight = nn.Parameter(w.clone(), requires_grad=old.weight.requires_grad)
+    if stored:
+        del new.weight
+        new.weight = w
+    else:
+        new.weight = nn.Parameter(w.clone(), requires_grad=old.weight.requires_grad)
     if bias is not None:
         new.bias = nn.Parameter(bias.clone(), requires_grad=old.bias.requires_grad)
     new.tp_group = g.tp
-    if dim is not None:
+    if dim is not None and not stored:
         _mark(new.weight, dim, rank, size)
         if bias is not None and dim == 0:
             _mark(new.bias, 0, rank, size)

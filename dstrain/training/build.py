@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM
 from dstrain.model.build import materialize
 from dstrain.model.common.lora import init_adapters
+from dstrain.model.common.stored import fill_stored, store_base, stored_weights
 from dstrain.model.registry import model_class, on_meta
 from dstrain.model.sources import Weights, fill, local_tensors
 from dstrain.parallel.pipe import Objective
@@ -64,12 +66,21 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
             model = on_meta(cfg)  # this rank's tensors get memory once parallelised
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
+        if plan.stored_base:  # the frozen quantized weights as the files hold them (common/stored.py)
+            store_base(model, weights.reader)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
+        if plan.stage == 3 and plan.stored_base:  # partitioned as ZeRO-3 partitions the parameters
+            group = next(model.parameters()).ds_process_group
+            for _, w in stored_weights(model):
+                w.partition(group, tdist.get_rank(group), tdist.get_world_size(group))
+            materialize(model, device)  # the stored weights only: ZeRO-3's parameters exist already
         if plan.stage != 3:
             if not plan.dims.model_parallel:
                 materialize(model, device)
             fill(model, weights)
             init_adapters(model, seed)
+        if plan.stored_base:
+            fill_stored(model, weights.reader)
     built.load = {**weights.stats, "peak_rss_growth": peak.growth}
     return built
 
@@ -100,7 +111,6 @@ def _zero3(cfg: Any, weights: Weights, ds: dict[str, Any]) -> DeepSeekLM:
     """Built under DeepSpeed's partitioned init; then each rank copies in its own flat partition of every
     tensor from `weights`, reading only the rows that partition covers."""
     import deepspeed
-    import torch.distributed as tdist
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     NVME = OffloadDeviceEnum.nvme  # noqa: N806

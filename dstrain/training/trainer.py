@@ -84,6 +84,13 @@ class Trainer:
         # micro_loss's `scale`: undoes DeepSpeed's 1/GA and its average over data-parallel ranks
         self.scale = float(self.ga * self.dims.dp)
         # --objective dpo: the loss of preference pairs (dpo.py) in place of the targets' mean cross-entropy
+        # a stored base (--base_precision stored): checkpoints hold no copy of it, resuming reads this folder
+        self.base = None
+        if plan.stored_base:
+            from dstrain.model.hf import folder_identity
+
+            folder = os.path.abspath(plan.model_folder)
+            self.base = {"folder": folder, "identity": folder_identity(folder)}
         self.dpo = (
             DPO(plan.opts.objective, self.scale, self.weights, self.sp_rank, self.tp_rank)
             if plan.opts.objective.objective == "dpo"
@@ -204,6 +211,14 @@ class Trainer:
         from pathlib import Path
 
         optimizer.check_resume(Path(path), self.opts.optimizer.optimizer)
+        saved_base = store.read_state(Path(path), 0).get("base")
+        if saved_base is not None:
+            store.check_base(saved_base, f"resuming {path}")
+            if self.base is None or self.base["identity"] != saved_base["identity"]:
+                raise CheckpointError(
+                    f"resuming {path}: it trained LoRA on the stored base {saved_base['folder']}; run with "
+                    "--model set to that folder (and --base_precision stored)"
+                )
         state = store.load(self.engine, Path(path), self.info.rank, self.layout(), self.model)
         resharded = state.get("resharded")
         if self.dims.model_parallel and not resharded:
@@ -478,6 +493,7 @@ class Trainer:
             "model": self.opts.model.model,
             "tokenizer": self.opts.data.tokenizer,  # the export ships it where --model is no folder
             "optimizer": self.opts.optimizer.optimizer,
+            "base": self.base,  # a stored base: the folder the checkpoint reads its frozen weights from
         }
 
     def save(self) -> str:

@@ -326,10 +326,27 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
+def _base(ctx, gate_up, down, like: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """The base weights as tensors, and what to save of them: a stored base (stored.StoredExperts) is
+    dequantized here, in forward and again in backward, and never saved (empty tensors stand in)."""
+    if isinstance(gate_up, torch.Tensor):
+        ctx.stored = None
+        return gate_up, down, gate_up, down
+    ctx.stored = gate_up
+    return (*gate_up.dense(like.dtype), like.new_empty(0), like.new_empty(0))
+
+
+def _saved_base(
+    ctx, gate_up: torch.Tensor, down: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    return (gate_up, down) if ctx.stored is None else ctx.stored.dense(like.dtype)
+
+
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, order, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
         n, k = weights.shape
+        gate_up, down, *keep = _base(ctx, gate_up, down, x)
         ad = Adapters(*lora) if lora else None
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
@@ -340,12 +357,13 @@ class _RoutedExperts(torch.autograd.Function):
             limit,
             groups._host,
         )  # offsets read to the host in forward serve backward too
-        ctx.save_for_backward(x, weights, order, offs, gu, gate_up, down, *acts, *lora)
+        ctx.save_for_backward(x, weights, order, offs, gu, *keep, *acts, *lora)
         return _sum_per_token(ys, rows, n, k)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
         x, weights, order, offs, gu, gate_up, down, *rest = ctx.saved_tensors
+        gate_up, down = _saved_base(ctx, gate_up, down, x)
         acts, ad = _split_saved(rest)
         n, k = weights.shape
         rows = _Rows(order, offs, x)
@@ -390,6 +408,7 @@ def routed_experts(
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
+        gate_up, down, *keep = _base(ctx, gate_up, down, xs)
         ad = Adapters(*lora) if lora else None
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         groups = Offsets(rows.offs)
@@ -397,12 +416,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
             rows.take(xs) if rows.padded else xs, groups, gate_up, down, None, ad, scale, limit
         )
         ctx.scale, ctx.limit, ctx.host = scale, limit, groups._host
-        ctx.save_for_backward(xs, offs, gu, gate_up, down, *acts, *lora)
+        ctx.save_for_backward(xs, offs, gu, *keep, *acts, *lora)
         return ys.index_select(0, rows.back) if rows.padded else ys
 
     @staticmethod
     def backward(ctx, dys):  # noqa: ANN001, ANN205
         xs, offs, gu, gate_up, down, *rest = ctx.saved_tensors
+        gate_up, down = _saved_base(ctx, gate_up, down, xs)
         acts, ad = _split_saved(rest)
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         dys = dys.contiguous()

@@ -81,6 +81,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):  # a frozen base weight in its stored form (stored.StoredWeight)
+        return weight.linear(x, bias)
     dtype = compute_dtype(x)
     if dtype == x.dtype:
         return F.linear(x, weight, bias)

@@ -26,6 +26,7 @@ from torch import nn
 from .experts import Adapters, routed_experts
 from .kernels import Linear, linear
 from .layers import ROUTER_BUFFERS, Experts, Router
+from .stored import dense_weight
 
 EXPERT_PROJ = ("gate", "up", "down")
 EXPERT_ADAPTERS = tuple(f"{p}_lora_{ab}" for p in EXPERT_PROJ for ab in "AB")  # experts.Adapters' order
@@ -92,7 +93,7 @@ class LoRALinear(Linear):
     def effective_weight(self) -> torch.Tensor:
         """W + (alpha / r) · B A, differentiable: for a caller that uses the weight itself rather than the
         layer (DeepSeek-V4's block-diagonal output projection)."""
-        return self.weight + (self.lora_B @ self.lora_A) * self.scale
+        return dense_weight(self.weight, self.lora_A.dtype) + (self.lora_B @ self.lora_A) * self.scale
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
@@ -290,7 +291,8 @@ def apply_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed:
             if isinstance(base, Router)
             else LoRALinear
         )
-        like = next(base.parameters())
+        like = next(base.parameters(), None)
+        like = next(base.buffers()) if like is None else like  # a stored base has buffers only
         _replace(model, name, kind(base, r, alpha, _adapter_generator(name, seed, like)))
     model.lora_settings = {"r": r, "alpha": alpha, "targets": list(targets), "modules": names}
     return names

@@ -27,6 +27,7 @@ from ..common.attention import inverse_frequencies
 from ..common.dsa import SparseSettings, inject, top_keys
 from ..common.kernels import Linear, gpu_kernels
 from ..common.layers import RMSNorm
+from ..common.stored import dense_weight
 from .config import CSA, SLIDING, V4Config
 from .mhc import unweighted_rms
 
@@ -349,7 +350,8 @@ class V4Attention(nn.Module):
             o = self._indexer_loss(o, scores, probs, mask, None if mask is chosen else chosen, inputs)
         o = rotate(o, cos.unsqueeze(2), -sin.unsqueeze(2))  # the value's rotation undone at the query
         grouped = o.reshape(b, t, self.groups, -1)
-        w = getattr(self.o_a_proj, "effective_weight", lambda: self.o_a_proj.weight)()  # with LoRA: W + BA
+        # with LoRA: W + BA; a stored base weight dequantized
+        w = getattr(self.o_a_proj, "effective_weight", lambda: dense_weight(self.o_a_proj.weight, x.dtype))()
         w = w.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("btgi,gri->btgr", grouped, w).flatten(2))
 

@@ -8,6 +8,7 @@ from .files import (
     SAFE_WEIGHTS,
     SafetensorsFile,
     checkpoint_files,
+    folder_identity,
     save_hf_tensors,
 )
 from .keys import KeyTable, Target, split_experts
@@ -23,6 +24,7 @@ __all__ = [
     "Target",
     "checkpoint_files",
     "flat_range",
+    "folder_identity",
     "save_hf_tensors",
     "split_experts",
 ]

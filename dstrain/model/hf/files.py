@@ -3,6 +3,7 @@ slice reads only its bytes), written in shards of at most a size; tensors copied
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,23 @@ def checkpoint_files(path: str | os.PathLike, allow_unsafe_pickle: bool = False)
     if bins:
         return {}
     raise ValueError(f"{path}: no {SAFE_WEIGHTS} or {SAFE_INDEX}")
+
+
+def folder_identity(path: str | os.PathLike) -> dict[str, Any]:
+    """What tells a weights folder from another without reading its tensors: each safetensors file's size, and
+    a SHA-256 over the index and every file's header (names, dtypes, shapes, offsets)."""
+    digest = hashlib.sha256()
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.isfile(index):
+        with open(index, "rb") as f:
+            digest.update(f.read())
+    sizes = {}
+    for file in sorted(set(checkpoint_files(path).values())):
+        sizes[os.path.basename(file)] = os.path.getsize(file)
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(n))
+    return {"sizes": sizes, "sha256": digest.hexdigest()}
 
 
 def pickle_files(path: str) -> list[str]:

@@ -22,30 +22,31 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """DeepSeek's published FP8 weights: one scale per 128x128 block (V3: fp32 `weight_scale_inv`, V4: e8m0
-    `scale`, a power of two), the last blocks of a shape not a multiple of 128 cut short."""
-    rows, cols = weight.shape
+    `scale`, a power of two), the last blocks of a shape not a multiple of 128 cut short. Leading dims (a
+    stack of experts) are batch dims."""
+    rows, cols = weight.shape[-2:]
     grid = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-    if tuple(scale_inv.shape) != grid:
+    if tuple(scale_inv.shape[-2:]) != grid:
         raise ValueError(
             f"FP8 weight {rows}x{cols} needs a {grid[0]}x{grid[1]} scale grid, not {tuple(scale_inv.shape)}"
         )
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return weight.float() * scale
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, -2)[..., :rows, :]
+    return weight.float() * scale.repeat_interleave(FP8_BLOCK, -1)[..., :cols]
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V4's published routed experts: two e2m1 values per int8 byte (the low nibble the even column),
     one e8m0 scale per 32 input columns. -> the fp32 weight, twice as wide as `packed` (exact: a small float
-    times a power of two)."""
+    times a power of two). Leading dims are batch dims."""
     octets = packed.contiguous().view(torch.uint8)
-    codes = torch.stack([octets & 15, octets >> 4], -1).reshape(packed.shape[0], -1)
-    rows, cols = codes.shape
-    if tuple(scale.shape) != (rows, -(-cols // FP4_BLOCK)):
+    codes = torch.stack([octets & 15, octets >> 4], -1).flatten(-2)
+    rows, cols = codes.shape[-2:]
+    if tuple(scale.shape[-2:]) != (rows, -(-cols // FP4_BLOCK)):
         raise ValueError(
             f"FP4 weight {rows}x{cols} needs {rows}x{-(-cols // FP4_BLOCK)} scales, not {tuple(scale.shape)}"
         )
-    values = torch.tensor(FP4_VALUES)[codes.long()]
-    return values * scale.float().repeat_interleave(FP4_BLOCK, 1)[:, :cols]
+    values = torch.tensor(FP4_VALUES, device=codes.device)[codes.long()]
+    return values * scale.float().repeat_interleave(FP4_BLOCK, -1)[..., :cols]
 
 
 def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -65,8 +66,9 @@ def dequantize_packed(
     """compressed-tensors' "pack-quantized" weights (Kimi-K2.5's INT4 routed experts): integers of `bits` bits
     packed densely along the input dim into int32 words, low bits first, stored offset by 2**(bits-1); one
     scale per group of input columns (a channel: one group); an asymmetric zero point packed the same way
-    along the output dim. -> the exact fp32 weight of `shape`."""
-    rows, cols = (int(n) for n in shape)
+    along the output dim. -> the exact fp32 weight of `shape`. Leading dims (a stack of experts, `shape` then
+    one row per expert) are batch dims."""
+    rows, cols = (int(n) for n in shape.reshape(-1, 2)[0])
     words = packed.shape[-1]
     bits = 32 * words // cols
     if bits not in (1, 2, 4, 8) or -(-cols * bits // 32) != words:
@@ -74,11 +76,11 @@ def dequantize_packed(
     group = -(-cols // scale.shape[-1])
 
     def per_column(t: torch.Tensor) -> torch.Tensor:
-        return t.float().repeat_interleave(group, 1)[:, :cols]
+        return t.float().repeat_interleave(group, -1)[..., :cols]
 
     q = _unpack(packed, bits, cols)
     if zero_point is not None:
-        q = q - per_column(_unpack(zero_point.t(), bits, rows).t())
+        q = q - per_column(_unpack(zero_point.transpose(-2, -1), bits, rows).transpose(-2, -1))
     return q * per_column(scale)
 
 
@@ -86,8 +88,9 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """The first `n` integers of each row of int32 words (a word's low bits first: its bytes in order on a
     little-endian host), as fp32 without the storage offset."""
     octets = packed.contiguous().view(torch.uint8)
-    q = (octets.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8)) & (2**bits - 1)
-    return q.reshape(packed.shape[0], -1)[:, :n].float() - 2 ** (bits - 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    q = (octets.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return q.flatten(-2)[..., :n].float() - 2 ** (bits - 1)
 
 
 class Form(NamedTuple):

@@ -153,6 +153,49 @@ class HFReader:
             out = out.narrow(dim, start, (out.shape[dim] if stop is None else stop) - start).contiguous()
         return out
 
+    def stored_form(self, key: str) -> str | None:
+        """The quantized form (its QUANTIZED marker) the folder stores dstrain weight `key` in; None: stored
+        dense, or not in the folder."""
+        hf_key = next(iter(self.sources.get(key, {}).values()), None)
+        if hf_key is None or hf_key not in self.quantized:
+            return None
+        form = self._form(hf_key)
+        return next(marker for marker, f in QUANTIZED.items() if f is form)
+
+    def read_stored(
+        self, key: str, half: int | None = None, start: int = 0, stop: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The parts of quantized weight `key` as the files hold them (codes and scales, nothing dequantized):
+        a plain weight's; of fused experts, experts [start, stop) of one `half` (0 gate, 1 up; down: None),
+        each part stacked over them."""
+        parts = self.sources[key]
+        if (None, None) in parts:
+            return self._raw_parts(parts[(None, None)])
+        stop = self.keys.experts if stop is None else stop
+        each = [self._raw_parts(parts[(e, half)]) for e in range(start, stop)]
+        return {p: torch.stack([x[p] for x in each]) for p in each[0]}
+
+    def stored_layout(
+        self, key: str, half: int | None = None
+    ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """`read_stored`'s parts (all experts) as (dtype, shape), from the files' headers: nothing read."""
+        parts = self.sources[key]
+        whole = (None, None) in parts
+        hf_key = parts[(None, None)] if whole else parts[(0, half)]
+        keys = {**self.quantized[hf_key], "weight": hf_key}
+        form = self._form(hf_key)
+        lead = () if whole else (self.keys.experts,)
+        return {
+            p: (self._raw_dtype(keys[p]), (*lead, *self._stored_shape(keys[p])))
+            for p in (*form.parts, *form.optional)
+            if p in keys
+        }
+
+    def _raw_parts(self, hf_key: str) -> dict[str, torch.Tensor]:
+        keys = {**self.quantized[hf_key], "weight": hf_key}
+        form = self._form(hf_key)
+        return {p: self._raw(keys[p]) for p in (*form.parts, *form.optional) if p in keys}
+
     def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor (a ZeRO-3 partition), zero-padded past its end.
         Reads only the dim-0 rows (or experts) the range touches."""
