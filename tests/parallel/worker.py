@@ -335,3 +335,48 @@ def finetune_bf16(info, out: str, folder: str) -> dict:  # noqa: ANN001
         (str(r.e_score_correction_bias.dtype), r.e_score_correction_bias.tolist()) for r in tr.model.routers()
     ]
     return {"loaded": loaded, "trained": trained}
+
+
+# LoRA on a stored FP8 base (tests/parallel/test_stored_base.py): `--base_precision stored` in every layout
+STORED_LORA = "--lora_r 8 --lora_alpha 16 --lora_targets q_b_proj,kv_b_proj,o_proj,shared_experts,experts"
+STORED = {
+    "st_z0": "--config {out}/zero0.json",
+    "st_z1": "--config zero1",
+    "st_z2": "--config zero2",
+    "st_z3": "--config zero3",
+    "st_ep2": "--config zero2 --ep 2",
+    "st_pp2": "--config zero1 --pp 2",
+    "st_tp2": "--config zero1 --tp 2",
+    "st_sp2": "--config zero3 --sp 2",
+}
+
+
+def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
+    """A pool scenario: layout `name` LoRA-training FT_STEPS steps on the FP8 folder with its base stored (saved
+    at step 2; ZeRO-2's also resumed from there) -> this rank's history, the stored weights it holds (part
+    dtypes, bytes, its shares of ZeRO-3 partitions) and the resumed losses."""
+    from dstrain.model.common.stored import stored_weights
+
+    write_configs(info, out)
+    flags = f"{STORED[name].format(out=out)} {STORED_LORA}"
+    extra = f"--max_steps {FT_STEPS} --base_precision stored --save_every 2"
+    base = f"{out}/{name}"
+    tr = trainer(flags, f"{base}/straight", info, extra=extra, hf=folder)
+    held = {
+        n: {"dtypes": {p: str(d) for p, d in w.dtypes.items()}, "bytes": w.nbytes, "source": list(w.source)}
+        for n, w in stored_weights(tr.model)
+        if not w.is_meta
+    }
+    params = sorted(n for n, p in tr.model.named_parameters() if not p.is_meta)
+    tr.run()
+    res = {
+        "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
+        "held": held,
+        "params": params,
+    }
+    if name == "st_z2":
+        tr = trainer(flags, f"{base}/resumed", info, resume=f"{base}/straight/checkpoints/step_00000002",
+                     extra=extra, hf=folder)  # fmt: skip
+        tr.run()
+        res["resumed"] = [r["loss"] for r in tr.history]
+    return res
