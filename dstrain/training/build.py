@@ -15,6 +15,7 @@ starts from one process's values).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -82,6 +83,12 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
         if plan.stored_base:
             fill_stored(model, weights.reader)
     built.load = {**weights.stats, "peak_rss_growth": peak.growth}
+    if plan.stored_base:  # this rank's stored bytes, and what the same weights take dequantized
+        held = [w for _, w in stored_weights(built.model) if not w.is_meta]
+        itemsize = 2 if plan.precision == "bf16" else 4
+        built.load["stored_bytes"] = sum(w.nbytes for w in held)
+        share = [math.prod(w.shape) // (w.size if w.group is not None else 1) for w in held]
+        built.load["dequantized_bytes"] = sum(share) * itemsize
     return built
 
 

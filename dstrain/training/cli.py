@@ -195,6 +195,12 @@ def train(plan: RunPlan) -> int:
         say(
             f"dstrain: loaded {model}: rank 0 read {size(ls['bytes_read'])} of {size(ls['checkpoint_bytes'])}, "
             f"peak memory +{size(ls['peak_rss_growth'])} while loading"
+            + (
+                f"; frozen base held as stored: {size(ls['stored_bytes'])} ({plan.precision}: "
+                f"{size(ls['dequantized_bytes'])})"
+                if "stored_bytes" in ls
+                else ""
+            )
         )
     summary = trainer.run()
     last = trainer.history[-1] if trainer.history else None
