@@ -304,6 +304,12 @@ class LoRAOptions:
     of bf16's bytes for FP8, about a quarter for FP4/INT4, the same computation); `bf16`, dequantized once
     into the run's precision. Default (auto): stored for a quantized folder under LoRA (nothing is lost: the
     frozen base computes the same values, in a fraction of the memory), else dequantized."""
+    qat: Literal["auto", "on", "off"] = "auto"
+    """Quantization-aware training of a quantized --model folder: the weights the export writes in the folder's
+    form (what trains, or the merge of LoRA's adapters into it) are used in the forward as that export quantizes
+    them (its blocks, rounding and scales), with the gradient passed straight through. Default (auto): on for a
+    quantized folder, whose export writes its own form by default, so the exported model computes what
+    trained; --qat off when the export is to be bf16 (`dstrain export --dtype bfloat16`)."""
 
     def __post_init__(self) -> None:
         if self.lora_r < 0 or (self.lora_r > 0 and self.lora_alpha <= 0):

@@ -67,6 +67,8 @@ class RunPlan:
     """(elements that train, all elements, LoRA-adapted module names): `model.build.trainable_counts`."""
     stored_base: bool = False
     """The frozen weights the folder stores quantized are held in that form (--base_precision)."""
+    qat: bool = False
+    """The weights that train and that the folder stores quantized train fake-quantized (--qat)."""
 
     @property
     def global_batch_rows(self) -> int:
@@ -183,10 +185,34 @@ def prepare(
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
     stored, why = _base_precision(opts, folder, cfg, dims)
+    qat, qat_why = _qat(opts, folder, cfg, dims)
     return RunPlan(
-        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes + why, None, lr_origin,
-        trains, stored,
+        opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes + why + qat_why, None,
+        lr_origin, trains, stored, qat,
     )  # fmt: skip
+
+
+def _qat(opts: Options, folder: str | None, cfg: Any, dims: ParallelDims) -> tuple[bool, tuple[str, ...]]:
+    """--qat resolved: (train the folder's quantized weights fake-quantized, the line saying so)."""
+    asked = opts.lora.qat
+    if asked == "off":
+        return False, ()
+    quantized = folder is not None and has_weights(folder) and folder_is_quantized(folder, cfg)
+    if not quantized:
+        if asked == "on":
+            raise ConfigError(
+                f"--qat on: needs a --model folder with quantized weights; {opts.model.model} has none"
+            )
+        return False, ()
+    for size, flag in ((dims.tp, "--tp"), (dims.ep, "--ep")):
+        if size > 1:
+            if asked == "on":
+                raise ConfigError(f"--qat on with {flag} {size}: not built yet; --qat off")
+            return False, (f"QAT off: not built with {flag} {size} yet (the export rounds what trained)",)
+    return True, (
+        f"QAT on (--qat {asked}): the weights the export quantizes train as it quantizes them, gradients straight "
+        "through, so the exported model computes what trained (--qat off for a bf16 export)",
+    )
 
 
 def _base_precision(

@@ -29,6 +29,7 @@ from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM
 from dstrain.model.build import materialize
 from dstrain.model.common.lora import init_adapters
+from dstrain.model.common.qat import apply_qat
 from dstrain.model.common.stored import fill_stored, store_base, stored_weights
 from dstrain.model.registry import model_class, on_meta
 from dstrain.model.sources import Weights, fill, local_tensors
@@ -69,6 +70,8 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         if plan.stored_base:  # the frozen quantized weights as the files hold them (common/stored.py)
             store_base(model, weights.reader)
+        if plan.qat:  # what trains, fake-quantized as the export will write it (common/qat.py)
+            apply_qat(model, weights.reader)
         built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
         if plan.stage == 3 and plan.stored_base:  # partitioned as ZeRO-3 partitions the parameters
             group = next(model.parameters()).ds_process_group

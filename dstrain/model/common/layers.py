@@ -11,6 +11,7 @@ from torch import nn
 
 from .experts import routed_experts
 from .kernels import Linear
+from .qat import qat_experts
 
 EXPERT_BIAS = "e_score_correction_bias"
 
@@ -141,6 +142,10 @@ class Experts(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        qat = getattr(self, "qat", None)  # QAT (qat.apply_qat): the weights as the export quantizes them
+        if qat is not None:
+            gate_up, down = qat_experts(qat, self.gate_up_proj, self.down_proj)
+            return routed_experts(x, idx, weights, gate_up.to(x.dtype), down.to(x.dtype), limit=self.limit)
         return routed_experts(x, idx, weights, self.gate_up_proj, self.down_proj, limit=self.limit)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from .experts import Adapters, routed_experts
 from .kernels import Linear, linear
 from .layers import ROUTER_BUFFERS, Experts, Router
+from .qat import qat_experts
 from .stored import dense_weight
 
 EXPERT_PROJ = ("gate", "up", "down")
@@ -81,6 +82,12 @@ class LoRALinear(Linear):
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qat = getattr(self, "qat", None)
+        if qat is not None:  # QAT: the merged weight, as the export merges it (fp32) and quantizes it
+            merged = merged_weight(
+                dense_weight(self.weight, torch.float32), self.lora_A, self.lora_B, self.scale
+            )
+            return linear(x, qat(merged).to(x.dtype), self.bias)
         return linear(x, self.weight, self.bias) + self.delta(x)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +134,14 @@ class LoRAExperts(Experts):
             getattr(self, f"{proj}_lora_B").zero_()
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        qat = getattr(self, "qat", None)
+        if qat is not None:  # QAT: each expert's merged weights (as the export merges them), fake-quantized
+            base = self.gate_up_proj
+            gate_up, down = base.dense(torch.float32) if hasattr(base, "dense") else (base, self.down_proj)
+            parts = {"gate_up_proj": gate_up.float(), "down_proj": down.float()}
+            merged = merge_expert_tensors(parts | {n: getattr(self, n) for n in EXPERT_ADAPTERS}, self.scale)
+            gate_up, down = qat_experts(qat, merged["gate_up_proj"], merged["down_proj"])
+            return routed_experts(x, idx, weights, gate_up.to(x.dtype), down.to(x.dtype), limit=self.limit)
         return routed_experts(
             x, idx, weights, self.gate_up_proj, self.down_proj, self.adapters(), self.scale, self.limit
         )

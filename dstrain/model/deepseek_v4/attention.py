@@ -352,6 +352,9 @@ class V4Attention(nn.Module):
         grouped = o.reshape(b, t, self.groups, -1)
         # with LoRA: W + BA; a stored base weight dequantized
         w = getattr(self.o_a_proj, "effective_weight", lambda: dense_weight(self.o_a_proj.weight, x.dtype))()
+        qat = getattr(self.o_a_proj, "qat", None)
+        if qat is not None:  # QAT: the (merged) weight as the export quantizes it
+            w = qat(w.float()).to(x.dtype)
         w = w.view(self.groups, -1, grouped.shape[-1])
         return self.o_b_proj(torch.einsum("btgi,gri->btgr", grouped, w).flatten(2))
 

@@ -163,16 +163,21 @@ class HFReader:
         return next(marker for marker, f in QUANTIZED.items() if f is form)
 
     def read_stored(
-        self, key: str, half: int | None = None, start: int = 0, stop: int | None = None
+        self,
+        key: str,
+        half: int | None = None,
+        start: int = 0,
+        stop: int | None = None,
+        only: tuple[str, ...] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The parts of quantized weight `key` as the files hold them (codes and scales, nothing dequantized):
         a plain weight's; of fused experts, experts [start, stop) of one `half` (0 gate, 1 up; down: None),
-        each part stacked over them."""
+        each part stacked over them. `only`: those parts alone."""
         parts = self.sources[key]
         if (None, None) in parts:
-            return self._raw_parts(parts[(None, None)])
+            return self._raw_parts(parts[(None, None)], only)
         stop = self.keys.experts if stop is None else stop
-        each = [self._raw_parts(parts[(e, half)]) for e in range(start, stop)]
+        each = [self._raw_parts(parts[(e, half)], only) for e in range(start, stop)]
         return {p: torch.stack([x[p] for x in each]) for p in each[0]}
 
     def stored_layout(
@@ -191,10 +196,11 @@ class HFReader:
             if p in keys
         }
 
-    def _raw_parts(self, hf_key: str) -> dict[str, torch.Tensor]:
+    def _raw_parts(self, hf_key: str, only: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         keys = {**self.quantized[hf_key], "weight": hf_key}
         form = self._form(hf_key)
-        return {p: self._raw(keys[p]) for p in (*form.parts, *form.optional) if p in keys}
+        names = [p for p in (*form.parts, *form.optional) if p in keys and (only is None or p in only)]
+        return {p: self._raw(keys[p]) for p in names}
 
     def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor (a ZeRO-3 partition), zero-padded past its end.
