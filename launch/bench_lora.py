@@ -2,6 +2,7 @@
 
   python launch/bench_lora.py                       # CPU: fine and fine-b (launch/bench_model.py), fp32 and bf16
   python launch/bench_lora.py --device cuda --configs v2lite-4 --dtypes bf16
+  python launch/bench_lora.py --stored              # CPU: LoRA on a stored FP8 base vs on it dequantized
 
 A step is forward + backward + AdamW on one batch (bench_model.make_step; AdamW keeps moments only for what
 trains). LoRA adapts every routed expert (per expert its own A and B), the shared experts, the attention
@@ -12,6 +13,12 @@ Figures (JSON lines):
   speed     full / LoRA step time (> 1: LoRA is faster), steps interleaved A B B A, min and median of rounds
   memory    per figure: persistent bytes (weights, AdamW moments) and the peak of tensors one step creates
             (activations, gradients, temporaries), and their sum, for full FT and for LoRA
+--stored: the model written as a DeepSeek-V3-style FP8 folder (every projection e4m3 + fp32 128x128 scales),
+LoRA (the same targets) on it loaded twice: its base stored (--base_precision stored: codes + scales,
+dequantized per layer in forward and again in backward) and dequantized once into the run's dtype
+(--base_precision bf16); the two compute the same values. Figures:
+  stored    dequantized-base step time / stored-base step time (< 1: the stored base is slower), A B B A,
+            min and median of rounds; each base's bytes (stored: codes + scales + the parameters left)
 """
 
 from __future__ import annotations
@@ -100,6 +107,63 @@ def bench(name: str, dtype_name: str, r: int, targets: list[str], rounds: int, d
     return out
 
 
+def _stored_pair(cfg, dtype: torch.dtype, r: int, targets: list[str], tmp: str) -> tuple:  # noqa: ANN001
+    """(LoRA on the FP8 folder of `cfg` dequantized, LoRA on its stored base), built as a run builds them."""
+    from dstrain.config.options import parse_options
+    from dstrain.model import from_pretrained, get_config
+    from dstrain.model.build import materialize
+    from dstrain.model.common.lora import init_adapters
+    from dstrain.model.common.stored import fill_stored, store_base
+    from dstrain.model.registry import on_meta
+    from dstrain.model.sources import Weights, fill
+    from dstrain.training.finetune import apply_finetune_options
+    from tests.helpers.quantized import fp8_folder
+
+    path = Path(tmp) / "fp8"
+    fp8_folder(path, cfg)
+    cfg = get_config(str(path))
+    lora = parse_options(
+        ["--lora_r", str(r), "--lora_alpha", str(2.0 * r), "--lora_targets", ",".join(targets)]
+    ).lora
+    dense = from_pretrained(str(path), dtype=dtype)
+    apply_finetune_options(dense, lora, 0)
+    stored = on_meta(cfg)
+    apply_finetune_options(stored, lora, 0)
+    with Weights(cfg, 0, folder=str(path)) as weights:
+        store_base(stored, weights.reader)
+        materialize(stored, "cpu", dtype)
+        fill(stored, weights)
+        fill_stored(stored, weights.reader)
+    for model in (dense, stored):
+        init_adapters(model, 0)
+    return dense.train(), stored.train()
+
+
+def _base_bytes(model: torch.nn.Module) -> int:
+    """The frozen base's bytes: parameters that do not train, and stored weights' codes + scales."""
+    from dstrain.model.common.stored import stored_weights
+
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return frozen + sum(w.nbytes for _, w in stored_weights(model))
+
+
+def bench_stored(name: str, dtype_name: str, r: int, targets: list[str], rounds: int) -> list[dict]:
+    dtype, cfg = DTYPES[dtype_name], CONFIGS[name]()
+    batch, seq = SHAPES["cpu"][name]
+    with tempfile.TemporaryDirectory() as tmp:
+        present = {n.rpartition(".")[2] for n, _ in build_model(cfg, device="meta").named_modules()}
+        dense, stored = _stored_pair(cfg, dtype, r, [t for t in targets if t in present], tmp)
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    head = {"config": name, "dtype": dtype_name, "batch": batch, "seq_len": seq, "r": r,
+            **kernel_path(cfg, dtype, "cpu")}  # fmt: skip
+    step_dense, step_stored = make_step(dense, ids, False, "cpu"), make_step(stored, ids, False, "cpu")
+    t = abba(step_stored, step_dense, rounds)  # per-round ratios: dequantized-base time / stored-base time
+    return [{**head, "figure": "stored: dequantized-base step time / stored-base step time", "min": t["ratio_min"],
+             "median": t["ratio_median"], "stored_step_s": t["a_median_s"], "dequantized_step_s": t["b_median_s"],
+             "stored_base_MiB": _base_bytes(stored) / 2**20, "dequantized_base_MiB": _base_bytes(dense) / 2**20}]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -108,13 +172,22 @@ def main() -> None:
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--targets", default=TARGETS)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--stored", action="store_true", help="LoRA on a stored FP8 base vs on it dequantized (CPU)"
+    )
     args = p.parse_args()
+    if args.stored and args.device != "cpu":
+        p.error("--stored: a CPU benchmark (--device cpu)")
     set_malloc("keep")  # as `dstrain train` runs on the CPU
     configs = (args.configs or ",".join(SHAPES[args.device])).split(",")
     dtypes = (args.dtypes or ("bf16" if args.device == "cuda" else "fp32,bf16")).split(",")
     for name in configs:
         for dt in dtypes:
-            for row in bench(name, dt, args.r, args.targets.split(","), args.rounds, args.device):
+            if args.stored:
+                rows = bench_stored(name, dt, args.r, args.targets.split(","), args.rounds)
+            else:
+                rows = bench(name, dt, args.r, args.targets.split(","), args.rounds, args.device)
+            for row in rows:
                 print(json.dumps(row), flush=True)
 
 

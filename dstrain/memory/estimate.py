@@ -22,6 +22,12 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
   tensors; each cross-entropy through the head (main and MTP) d input and a head-sized d weight
   (`loss.py`). Activation checkpointing keeps a block's (or sublayer's) input and recomputes the rest
   during its backward.
+- A stored base (LoRA on a quantized release, `--base_precision stored`, `stored.py`): the frozen weights the
+  release quantizes are held as its codes and scales instead of parameters (sliced and ZeRO-3-partitioned
+  like them), and the running layer's dequantized copy adds to its forward and backward temporaries: a
+  linear's fp32 temporaries, and all of this rank's routed experts of the layer (gate_up and down in the
+  compute dtype while they run, down's fp32 temporaries while it is dequantized); ZeRO-3 gathers one stored
+  weight at a time.
 - Working memory: the running layer's temporaries — one chunk of logits and its fp32 log-softmax, the
   experts' gathered rows and intermediates, all-to-all copies, recomputed activations in backward.
 - Peak: the static part plus the largest of the forward (activations so far and the running layer's
@@ -56,6 +62,8 @@ from dstrain.model.common.kernels import CPU_NATIVE_BF16
 from dstrain.model.common.loss import chunk_rows
 from dstrain.parallel import ParallelDims
 
+from .stored import StoredBase, planned_base
+
 if TYPE_CHECKING:
     from dstrain.config.plan import RunPlan
 
@@ -68,6 +76,7 @@ CHECKPOINTING = ("none", "mlp", "attention", "full")
 PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + moments)", "gradients"
 ACTS, WORK, BUCKETS = "activations", "working memory", "communication buckets"
 GATHERED, RESERVE = "gathered ZeRO-3 parameters", "CUDA context, NCCL, fragmentation"
+STORED, DEQUANT = "frozen base, stored (codes + scales)", "dequantized base weights (one layer)"
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,9 @@ class Workload:
     """The share of the model's elements that train (LoRA: its adapters, and the routers / MTP if they train):
     gradients, optimizer states and the step scale with it; the frozen base weights are held (and ZeRO-3
     partitions them) but get neither. Taken as spread over the layers like the parameters."""
+    stored: StoredBase | None = None
+    """A stored base (--base_precision stored): the frozen weights of these kinds are held as their release
+    stores them (codes + scales, no parameter) and dequantized one layer at a time."""
 
     @classmethod
     def of(cls, plan: RunPlan) -> Workload:
@@ -115,6 +127,7 @@ class Workload:
             dsa_stage=o.model.dsa_stage,
             optimizer=o.optimizer.optimizer,
             trainable=plan.trains[0] / plan.trains[1] if o.lora.lora_r > 0 else 1.0,
+            stored=planned_base(plan) if plan.stored_base else None,
         )
 
     def replace(self, **changes: Any) -> Workload:
@@ -153,10 +166,41 @@ class Layer:
     """Temporaries while its forward runs, above what it saves."""
     backward: int = 0
     """Temporaries while its backward runs (recomputed activations included), its gradients apart."""
+    stored: list[tuple[int, int]] = field(default_factory=list)
+    """(elements, bytes) of each of `tensors` held stored (a stored base: codes + scales, no parameter)."""
+    experts_stored: int = 0
+    """Bytes of this rank's routed experts held stored (0: parameters)."""
+    dequant: tuple[int, int] = (0, 0)
+    """Of `forward` and `backward`: the bytes dequantized stored weights add (fp32 temporaries, the weight in
+    the compute dtype; the routed experts' whole gate_up and down while they run)."""
 
     @property
     def dense(self) -> int:
         return sum(self.tensors)
+
+    @property
+    def stored_elements(self) -> int:
+        """Elements of its weights held stored."""
+        return sum(e for e, _ in self.stored) + (self.experts if self.experts_stored else 0)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b for _, b in self.stored) + self.experts_stored
+
+    @property
+    def plain(self) -> list[int]:
+        """`tensors` without the stored ones: the parameters (of the base) it holds."""
+        out = list(self.tensors)
+        for e, _ in self.stored:
+            out.remove(e)
+        return out
+
+    @property
+    def largest_gather(self) -> tuple[int, int]:
+        """(elements of the largest parameter, bytes of the largest stored weight) ZeRO-3 gathers whole: a
+        matrix, or this rank's experts' gate_up_proj (stored: gate, up and down are gathered one by one)."""
+        plain = max([0, *self.plain, 0 if self.experts_stored else 2 * self.experts // 3])
+        return plain, max([0, *(b for _, b in self.stored), self.experts_stored // 3])
 
     @property
     def params(self) -> int:
@@ -206,8 +250,9 @@ class _Shapes:
         key = (self.cfg.is_moe_layer(index), self.cfg.has_indexer(index))
         if key not in self._blocks:  # blocks of one kind have the same sizes
             self._blocks[key] = self._block(*key)
+        block = self._blocks[key]
         return dataclasses.replace(
-            self._blocks[key], name=f"block {index}", tensors=list(self._blocks[key].tensors)
+            block, name=f"block {index}", tensors=list(block.tensors), stored=list(block.stored)
         )
 
     def _block(self, moe: bool, indexer: bool = False) -> Layer:
@@ -224,8 +269,60 @@ class _Shapes:
             layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
         else:
             layer.tensors += [d * c.intermediate_size // self.tp] * 3
+        self.store(layer, moe, indexer)
         self.block_activations(layer, moe, indexer)
         return layer
+
+    # a stored base ----------------------------------------------------------------------------------------
+    def matrices(self, moe: bool, indexer: bool) -> list[tuple[str, int, int]]:
+        """(kind, rows, columns) of the block's linears as this rank holds them (stored.KINDS)."""
+        c, h, d = self.cfg, self.heads, self.cfg.hidden_size
+        rq, rkv = c.q_lora_rank, c.kv_lora_rank
+        q = [(h * c.qk_head_dim, d)] if rq is None else [(rq, d), (h * c.qk_head_dim, rq)]
+        kv = [
+            (rkv + c.qk_rope_head_dim, d),
+            (h * (c.qk_nope_head_dim + c.v_head_dim), rkv),
+            (d, h * c.v_head_dim),
+        ]
+        out = [("attention", r, k) for r, k in q + kv]
+        if indexer:  # wq_b and wk (the head weights stay bf16 in the releases)
+            out += [("indexer", c.index_n_heads * c.index_head_dim, rq), ("indexer", c.index_head_dim, d)]
+        width, kind = (
+            (c.moe_intermediate_size * c.n_shared_experts, "shared") if moe else (c.intermediate_size, "mlp")
+        )
+        if width:
+            out += [(kind, width // self.tp, d)] * 2 + [(kind, d, width // self.tp)]
+        return out
+
+    def store(self, layer: Layer, moe: bool, indexer: bool) -> None:
+        """The block's weights a stored base holds in their stored form (Workload.stored)."""
+        stored, c = self.w.stored, self.cfg
+        if stored is None:
+            return
+        for kind, rows, cols in self.matrices(moe, indexer):
+            form = stored.of(kind)
+            if form is not None:
+                layer.stored.append((rows * cols, form.nbytes(rows, cols)))
+        form = stored.of("experts")
+        if moe and form is not None:
+            d, inter = c.hidden_size, c.moe_intermediate_size
+            each = 2 * form.nbytes(inter, d) + form.nbytes(d, inter)
+            layer.experts_stored = (c.n_routed_experts // self.ep) * each
+
+    def dequantized(self, layer: Layer, moe: bool) -> tuple[int, int, int]:
+        """-> (the largest stored linear's peak while dequantized, the routed experts' dense gate_up and down
+        held while they run forward and backward, their peak while dequantized: gate_up whole and down's fp32
+        temporaries); zeros without a stored base. stored.py dequantizes a weight through fp32 then the
+        compute dtype; the experts all of this rank's at once: gate, up, their concatenation, then down."""
+        stored = self.w.stored
+        if stored is None:
+            return 0, 0, 0
+        linear = max((e for e, _ in layer.stored), default=0) * max(f.peak for _, f in stored.forms)
+        form = stored.of("experts")
+        if not (moe and layer.experts_stored and form is not None):
+            return linear, 0, 0
+        per = layer.experts // 3  # elements of this rank's gate (or up, or down) stack
+        return linear, 3 * per * self.a, per * (2 * self.a + form.peak)
 
     def embedding(self) -> Layer:
         c = self.cfg
@@ -264,6 +361,15 @@ class _Shapes:
         layer.name = f"MTP {depth}"
         layer.tensors += [d, d, 2 * d * d, d]
         layer.vectors += 3 * d
+        stored = self.w.stored
+        if stored is not None and not stored.mtp:  # the MTP modules train: parameters, dense
+            layer.forward, layer.backward = (
+                layer.forward - layer.dequant[0],
+                layer.backward - layer.dequant[1],
+            )
+            layer.stored, layer.experts_stored, layer.dequant = [], 0, (0, 0)
+        elif stored is not None and stored.of("mtp") is not None:
+            layer.stored.append((2 * d * d, stored.of("mtp").nbytes(d, 2 * d)))
         layer.saved += 3 * self.norm(d) + self.n * 2 * d * self.a
         return layer
 
@@ -380,9 +486,13 @@ class _Shapes:
             inter = c.intermediate_size // self.tp
             fwd, work = n * inter * a, 3 * n * inter * a
         heads = n * self.heads * c.qk_head_dim * a  # attention's q/k/v-sized temporaries
-        layer.forward = max(fwd, 3 * heads + (self.sparse_work() if indexer else 0))
+        attention = 3 * heads + (self.sparse_work() if indexer else 0)
+        linear, held, peak = self.dequantized(layer, moe)
+        layer.forward = max(fwd + held, peak, attention, linear)
         # + d output, d input and one (tokens, hidden) intermediate
-        layer.backward = recomputed[mode] + 3 * n * d * a + max(work, 5 * heads)
+        layer.backward = recomputed[mode] + 3 * n * d * a + max(work + held, peak, 5 * heads, linear)
+        plain = (max(fwd, attention), recomputed[mode] + 3 * n * d * a + max(work, 5 * heads))
+        layer.dequant = (layer.forward - plain[0], layer.backward - plain[1])
 
 
 def rank_layers(w: Workload) -> list[list[Layer]]:
@@ -458,6 +568,10 @@ class _Stage:
         self.params = sum(x.params for x in layers)
         self.dense, self.experts = sum(x.dense for x in layers) / d.dp, sum(x.experts for x in layers) / d.edp
         self.part = self.dense + self.experts  # this rank's ZeRO partition (elements)
+        # a stored base: elements held as codes + scales rather than parameters, and those bytes (ZeRO-3
+        # partitions them over the data-parallel group, as it does the parameters)
+        self.stored = sum(x.stored_elements for x in layers) / (d.dp if self.w.stage == 3 else 1)
+        self.stored_bytes = sum(x.stored_bytes for x in layers) / (d.dp if self.w.stage == 3 else 1)
         self.f = self.w.trainable  # the share with gradients and optimizer states
         muon = self.w.optimizer == "muon"
         self.muon_held = sum(x.muon for x in layers) if muon else 0  # the Muon elements this stage holds
@@ -473,11 +587,13 @@ class _Stage:
         out: dict[str, float] = {}
         host = 0.0
         if w.stage == 3:
-            whole = sum(t for x in self.layers for t in x.tensors if t <= z.persistence) * a
-            out[PARAMS] = whole + (0 if z.offload_param else part * a)
-            host += part * a if z.offload_param else 0
+            whole = sum(t for x in self.layers for t in x.plain if t <= z.persistence) * a
+            held = (part - self.stored) * a
+            out[PARAMS] = whole + (0 if z.offload_param else held)
+            host += held if z.offload_param else 0
         else:
-            out[PARAMS] = self.params * a
+            out[PARAMS] = (self.params - self.stored) * a
+        out[STORED] = self.stored_bytes
         states = part * 12 if w.stage >= 1 else self.params * (12 if a == 2 else 8)
         states -= 4 * (self.muon if w.stage >= 1 else self.muon_held)  # Muon: one fp32 buffer, not two
         states *= self.f
@@ -505,9 +621,12 @@ class _Stage:
         stage3_max_reuse_distance elements stay gathered; gloo stages each all-gather in a buffer of its own."""
         if self.w.stage != 3:
             return 0.0
-        largest = max(max(max(x.tensors, default=0), 2 * x.experts // 3) for x in self.layers)  # gate_up
-        staged = largest if self.w.device == "cpu" else 0
-        return (min(self.params, self.z.reuse + largest + self.z.prefetch) + staged) * self.a
+        largest, stored = (max(sizes) for sizes in zip(*(x.largest_gather for x in self.layers)))
+        staged = 2 if self.w.device == "cpu" else 1
+        plain = sum(x.params - x.stored_elements for x in self.layers)
+        gathered = min(plain, self.z.reuse + largest + self.z.prefetch) + (staged - 1) * largest
+        # a stored weight is gathered (all its parts) where it is dequantized, and dropped after
+        return gathered * self.a + stored * staged
 
     def forward(self) -> dict[str, float]:
         """A walk from the first layer; with accumulation, a later micro batch's, on top of the gradients
@@ -516,7 +635,7 @@ class _Stage:
         for x in self.layers:
             live += x.saved
             if live + x.forward >= sum(best.values()):
-                best = {ACTS: live, WORK: x.forward}
+                best = {ACTS: live, WORK: x.forward - x.dequant[0], DEQUANT: x.dequant[0]}
         every, holds_all, partition = self._grads()
         if self.w.grad_accum > 1:  # ZeRO-2 releases its buckets at the end of each backward, ZeRO-1 not
             best[GRADS] = every if holds_all else partition
@@ -555,14 +674,19 @@ class _Stage:
         f = self.f
         for x in reversed(self.layers):
             grads = held + x.params * a * f + (partition if reduced >= z.bucket else 0)
-            now = {ACTS: remaining, WORK: x.backward, GRADS: grads}
+            now = {ACTS: remaining, WORK: x.backward - x.dequant[1], DEQUANT: x.dequant[1], GRADS: grads}
             worst = now if sum(now.values()) >= sum(worst.values()) else worst
             remaining -= 0 if retains else x.saved
             held += x.params * a * f if holds_all and not accumulates else 0
             reduced += x.params * f
         if retains:
             x = max(self.layers, key=lambda x: x.backward + x.params * a * f)
-            now = {ACTS: remaining, WORK: x.backward, GRADS: held + x.params * a * f}
+            now = {
+                ACTS: remaining,
+                WORK: x.backward - x.dequant[1],
+                DEQUANT: x.dequant[1],
+                GRADS: held + x.params * a * f,
+            }
             worst = now if sum(now.values()) > sum(worst.values()) else worst
         return {**worst, BUCKETS: self._buckets(), GATHERED: self.gathered()}
 

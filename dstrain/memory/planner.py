@@ -26,6 +26,7 @@ from dstrain.model import family_of, get_config, param_counts
 from dstrain.parallel import ParallelDims
 
 from .estimate import CHECKPOINTING, GIB, Estimate, Workload, estimate
+from .stored import planned_base
 
 LARGER_WORLDS = 7  # when no layout of N GPUs fits, try 2N, 4N, ... up to 128N
 
@@ -78,8 +79,15 @@ def gpu_plan(opts: Options, world: int) -> tuple[RunPlan, Workload]:
             family_of(cfg).refuse("memory_estimate", f"dstrain plan --model {opts.model.model}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    release = family_of(cfg).release_quantization.get(opts.model.model) if base is None and cfg else None
+    if release and opts.lora.lora_r > 0 and opts.lora.base_precision == "stored":  # no folder to check
+        opts = dataclasses.replace(opts, lora=dataclasses.replace(opts.lora, base_precision="auto"))
     plan = prepare(opts, world, device_type="cuda", model=base)
-    return plan, Workload.of(plan)
+    w = Workload.of(plan)
+    if release and opts.lora.lora_r > 0 and opts.lora.base_precision != "bf16":
+        # a preset of a quantized release: planned as a LoRA run on the release's folder would hold it
+        w = w.replace(stored=planned_base(plan, dict(release)))
+    return plan, w
 
 
 # ------------------------------------------------------------------------------------------ the search
@@ -183,6 +191,9 @@ def report(plan: RunPlan, w: Workload, capacity_gib: float, top: int) -> list[st
     if plan.opts.lora.lora_r:
         lines.append(f"LoRA r {plan.opts.lora.lora_r}: {w.trainable:.3%} of the parameters train (gradients and "
                      "optimizer states for those only; the frozen weights are held)")  # fmt: skip
+    if w.stored is not None:
+        lines.append(f"frozen base held as the release stores it: {w.stored.describe()}; dequantized one layer "
+                     "at a time (--base_precision stored, the default under LoRA; bf16 plans it dense)")  # fmt: skip
     lines += [
         "",
         f"{'per rank (the largest; peak in ' + est.phase + ')':<48}{'GiB':>8}",

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from dstrain.cli import main as dstrain_main
-from tests.model.deepseek_v3.test_config import MOONLIGHT
+from tests.model.deepseek_v3.test_config import KIMI_K25, MOONLIGHT
 
 VERDICT = re.compile(r"^(fits|does not fit): predicted peak (\d+\.\d) GiB per rank of 80 GiB$")
 GPUS = ["--num_gpus", "8", "--gpu_memory_gb", "80", "--seq_len", "4096", "--micro_batch_size", "1"]
@@ -50,6 +50,40 @@ def test_moonlight_from_its_config_json_alone(capsys, tmp_path):
     assert "ZeRO-3" in lines[1]
 
 
+STORED = "frozen base, stored (codes + scales)"
+
+
+def rows(lines: list[str]) -> dict[str, float]:
+    """The per-rank table's rows: name -> GiB."""
+    found = (re.match(r"^  (\S.*?)\s+(\d+\.\d+)$", line) for line in lines)
+    return {m[1]: float(m[2]) for m in found if m}
+
+
+def test_a_quantized_release_under_lora_plans_its_stored_base(capsys, tmp_path):
+    """A preset of an FP8 release under LoRA plans the frozen base as the release stores it (one line says
+    so): its stored bytes instead of bf16 parameters, and the dequantized working set of one layer;
+    --base_precision bf16 plans today's dense base. A folder of config.json alone plans what its
+    quantization_config says: Kimi-K2.5's INT4 experts, as its preset does."""
+    args = ["--config", "zero1", "--ep", "8", *GPUS, "--activation_checkpointing", "--lora_r", "16"]
+    code, lines, _ = plan(capsys, "--model", "deepseek-v3", *args)
+    assert code == 0 and VERDICT.match(lines[-1])
+    assert any(
+        line.startswith("frozen base held as the release stores it: FP8 e4m3 128x128") for line in lines
+    )
+    stored = rows(lines)
+    _, lines, _ = plan(capsys, "--model", "deepseek-v3", *args, "--base_precision", "bf16")
+    dense = rows(lines)
+    assert STORED not in dense and not any(line.startswith("frozen base") for line in lines)
+    # FP8 codes of ~97% of the weights: about half of bf16's bytes
+    assert 0.45 < (stored[STORED] + stored["parameters"]) / dense["parameters"] < 0.6
+    assert stored["dequantized base weights (one layer)"] > 0 and stored["total"] < dense["total"]
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K25))
+    _, folder, _ = plan(capsys, "--model", str(tmp_path), *args)
+    _, preset, _ = plan(capsys, "--model", "kimi-k2.5", *args)
+    assert any(line.startswith("frozen base held as the release stores it: INT4 g32") for line in folder)
+    assert rows(folder) == rows(preset) and folder[-1] == preset[-1]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -61,6 +95,8 @@ def test_moonlight_from_its_config_json_alone(capsys, tmp_path):
         # the family the estimate does not model comes first, before a LoRA target of another family's names
         (["--model", "tiny-v4", "--lora_r", "8", "--lora_targets", "kv_b_proj", "--num_gpus", "8"],
          "dstrain plan --model tiny-v4: the memory estimate does not model DeepSeek-V4 yet"),
+        (["--model", "deepseek-v2", "--lora_r", "8", "--base_precision", "stored", "--num_gpus", "8"],
+         "--base_precision stored: needs a --model folder with quantized weights"),
     ],
 )  # fmt: skip
 def test_mistakes_are_one_line_errors(capsys, args, message):

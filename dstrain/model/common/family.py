@@ -51,6 +51,10 @@ class Family:
     run names none; () for none, and a LoRA run must then name them."""
     splits_heads: bool = True
     """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
+    release_quantization: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Preset name -> the config.json quantization keys (`quantization_config`, V4's `expert_dtype`) of the
+    release the preset describes, where that release ships its weights quantized: how `dstrain plan` sizes a
+    stored base (--base_precision) for a preset, which has no folder to read them from."""
 
     def refuse(self, feature: str, what: str) -> None:
         """ValueError `what: <why>` when the family does not do `feature` (see `unsupported`)."""

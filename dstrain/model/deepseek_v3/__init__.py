@@ -7,7 +7,7 @@ from ..common.layers import is_expert_bias
 from . import flops
 from .config import VARIANTS, ModelConfig
 from .model import DeepSeekLM
-from .presets import PRESETS
+from .presets import PRESETS, RELEASE_QUANTIZATION
 from .state_dict import open_v3, tensors_beside, to_hf, write_hf_config
 
 FAMILY = Family(
@@ -26,6 +26,7 @@ FAMILY = Family(
     copied_tensors=tensors_beside,
     # MLA's up-projections and output, the shared experts' linears (the MTP blocks' too)
     lora_targets=("q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),
+    release_quantization=RELEASE_QUANTIZATION,
 )
 
 __all__ = ["FAMILY", "DeepSeekLM", "ModelConfig"]

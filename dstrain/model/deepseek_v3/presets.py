@@ -149,6 +149,33 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "deepseek-v2": _deepseek_v2(),
     "deepseek-v3": _deepseek_v3(),
+    # the text model of moonshotai/Kimi-K2.5 (a Kimi-K2: DeepSeek-V3's architecture, 384 experts, 64 heads,
+    # 256K context; 1T parameters, 32B active)
+    "kimi-k2.5": _deepseek_v3(
+        vocab_size=163840,
+        num_attention_heads=64,
+        n_routed_experts=384,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        first_k_dense_replace=1,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        num_nextn_predict_layers=0,
+        bos_token_id=163584,
+        eos_token_id=163585,
+        pad_token_id=163839,
+    ),
     # V3 with DeepSeek Sparse Attention (deepseek-ai/DeepSeek-V3.2's config.json)
     "deepseek-v3.2": _deepseek_v3(
         model_type="deepseek_v32", index_topk=2048, index_n_heads=64, index_head_dim=128
@@ -190,4 +217,27 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-dsa": dataclasses.replace(
         _TINY, model_type="deepseek_v32", index_topk=16, index_n_heads=16, index_head_dim=16
     ),
+}
+
+# DeepSeek's FP8 (deepseek-ai/DeepSeek-V3's config.json): e4m3 codes, one fp32 inverse scale per 128x128 block,
+# on every linear of the decoder layers and MTP (the routers, the embedding, the head and the norms stay bf16)
+_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# moonshotai/Kimi-K2.5's text_config: compressed-tensors INT4, symmetric groups of 32 columns, bf16 scales, on
+# the routed experts only (attention, shared experts, the dense FFN and the head stay bf16)
+_KIMI_INT4 = {
+    "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                      "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+                                  "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                                  "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized", "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
+# The quantization keys of the releases the presets describe (Family.release_quantization): DeepSeek-V3/R1 and
+# V3.2 ship FP8, GLM-5 as zai-org/GLM-5-FP8 (DeepSeek's form), Kimi-K2.5 INT4 experts.
+RELEASE_QUANTIZATION: dict[str, dict[str, Any]] = {
+    "deepseek-v3": {"quantization_config": _FP8},
+    "deepseek-v3.2": {"quantization_config": _FP8},
+    "glm-5": {"quantization_config": _FP8},
+    "kimi-k2.5": {"quantization_config": _KIMI_INT4},
 }

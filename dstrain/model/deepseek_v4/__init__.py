@@ -5,7 +5,7 @@ from ..common.family import Family
 from . import flops
 from .config import V4Config
 from .model import DeepSeekV4LM
-from .presets import PRESETS
+from .presets import PRESETS, RELEASE_QUANTIZATION
 from .state_dict import keeps_fp32, open_v4, to_hf, write_v4_config
 
 FAMILY = Family(
@@ -33,6 +33,7 @@ FAMILY = Family(
     # key=value projection (the compressors' included), the grouped low-rank output, the shared experts
     lora_targets=("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts"),
     splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
+    release_quantization=RELEASE_QUANTIZATION,
 )
 
 __all__ = ["FAMILY", "DeepSeekV4LM", "V4Config"]

@@ -101,3 +101,13 @@ PRESETS: dict[str, V4Config] = {
         },
     ),
 }
+
+# deepseek-ai/DeepSeek-V4's config.json: FP8 e4m3 in 128x128 blocks with e8m0 (power-of-two) scales on the
+# linears; Flash's routed experts FP4 e2m1 with an e8m0 scale per 32 columns (its `expert_dtype`; Pro's
+# config.json has none: FP8 like the rest)
+_V4_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+           "weight_block_size": [128, 128]}  # fmt: skip
+RELEASE_QUANTIZATION: dict[str, dict[str, Any]] = {
+    "deepseek-v4-flash": {"quantization_config": _V4_FP8, "expert_dtype": "fp4"},
+    "deepseek-v4-pro": {"quantization_config": _V4_FP8},
+}
