@@ -61,24 +61,25 @@ def build_for_training(plan: RunPlan, rank: int, device: torch.device, objective
 
 def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective) -> Built:
     cfg, seed = plan.model, plan.opts.run.seed
+    # ZeRO-3 builds under DeepSpeed's partitioned init, which allocates every parameter; a stored base's frozen
+    # weights are no parameters: the model is built on meta, the stored parts partitioned by dstrain, the rest
+    # (adapters, norms, routers, embedding and head) whole until the engine partitions it
+    partitioned_init = plan.stage == 3 and not plan.stored_base
     with PeakRSS() as peak, Weights(cfg, seed, device, folder=plan.model_folder) as weights:
-        if plan.stage == 3:  # partitioned from the start: no rank holds it whole
-            model = _zero3(cfg, weights, plan.ds)
-        else:
-            model = on_meta(cfg)  # this rank's tensors get memory once parallelised
+        model = _zero3(cfg, weights, plan.ds) if partitioned_init else on_meta(cfg)
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
         if plan.stored_base:  # the frozen quantized weights as the files hold them (common/stored.py)
             store_base(model, weights.reader)
         if plan.qat:  # what trains, fake-quantized as the export will write it (common/qat.py)
             apply_qat(model, weights.reader)
-        built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
-        if plan.stage == 3 and plan.stored_base:  # partitioned as ZeRO-3 partitions the parameters
-            group = next(model.parameters()).ds_process_group
+        if (
+            plan.stage == 3 and plan.stored_base
+        ):  # ZeRO-3 runs without PP/TP/EP: it partitions over every rank
             for _, w in stored_weights(model):
-                w.partition(group, tdist.get_rank(group), tdist.get_world_size(group))
-            materialize(model, device)  # the stored weights only: ZeRO-3's parameters exist already
-        if plan.stage != 3:
+                w.partition(tdist.group.WORLD, tdist.get_rank(), tdist.get_world_size())
+        built = Built(model, model) if plan.stage == 3 else _parallel(model, plan, rank, device, objective)
+        if not partitioned_init:
             if not plan.dims.model_parallel:
                 materialize(model, device)
             fill(model, weights)

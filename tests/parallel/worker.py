@@ -359,7 +359,8 @@ def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
 
     write_configs(info, out)
     flags = f"{STORED[name].format(out=out)} {STORED_LORA}"
-    extra = f"--max_steps {FT_STEPS} --base_precision stored --save_every 2"
+    # QAT off: the stored base against one process on the dequantized one (QAT trains another function)
+    extra = f"--max_steps {FT_STEPS} --base_precision stored --save_every 2 --qat off"
     base = f"{out}/{name}"
     tr = trainer(flags, f"{base}/straight", info, extra=extra, hf=folder)
     held = {
