@@ -25,8 +25,9 @@ context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from
 - A stored base (LoRA on a quantized release, `--base_precision stored`, `stored.py`): the frozen weights the
   release quantizes are held as its codes and scales instead of parameters (sliced and ZeRO-3-partitioned
   like them), and the running layer's dequantized copy adds to its forward and backward temporaries: a
-  linear's fp32 temporaries, and all of this rank's routed experts of the layer (gate_up and down in the
-  compute dtype while they run, down's fp32 temporaries while it is dequantized); ZeRO-3 gathers one stored
+  linear's fp32 temporaries, and a group of this rank's routed experts of the layer (at most 1 GiB of them in
+  fp32, `stored.EXPERT_CHUNK_BYTES`: gate_up and down in the compute dtype while they run, down's fp32
+  temporaries while it is dequantized); ZeRO-3 gathers one stored
   weight at a time.
 - Working memory: the running layer's temporaries — one chunk of logits and its fp32 log-softmax, the
   experts' gathered rows and intermediates, all-to-all copies, recomputed activations in backward.
@@ -60,6 +61,7 @@ from dstrain.model.common.dsa import SCORE_ELEMENTS
 from dstrain.model.common.experts import CPU_GROUP_ROWS
 from dstrain.model.common.kernels import CPU_NATIVE_BF16
 from dstrain.model.common.loss import chunk_rows
+from dstrain.model.common.stored import EXPERT_CHUNK_BYTES
 from dstrain.parallel import ParallelDims
 
 from .stored import StoredBase, planned_base
@@ -313,7 +315,8 @@ class _Shapes:
         """-> (the largest stored linear's peak while dequantized, the routed experts' dense gate_up and down
         held while they run forward and backward, their peak while dequantized: gate_up whole and down's fp32
         temporaries); zeros without a stored base. stored.py dequantizes a weight through fp32 then the
-        compute dtype; the experts all of this rank's at once: gate, up, their concatenation, then down."""
+        compute dtype; the experts a group at a time (EXPERT_CHUNK_BYTES of fp32): gate, up, their
+        concatenation, then down."""
         stored = self.w.stored
         if stored is None:
             return 0, 0, 0
@@ -321,7 +324,9 @@ class _Shapes:
         form = stored.of("experts")
         if not (moe and layer.experts_stored and form is not None):
             return linear, 0, 0
-        per = layer.experts // 3  # elements of this rank's gate (or up, or down) stack
+        each = self.cfg.hidden_size * self.cfg.moe_intermediate_size  # one expert's gate (or up, or down)
+        group = min(layer.experts // (3 * each), max(1, EXPERT_CHUNK_BYTES // (3 * each * 4)))
+        per = group * each  # elements of a group's gate (or up, or down) stack
         return linear, 3 * per * self.a, per * (2 * self.a + form.peak)
 
     def embedding(self) -> Layer:

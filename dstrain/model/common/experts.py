@@ -41,6 +41,7 @@ are zero in and zero out, and rows past the last group are never computed nor re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -327,31 +328,81 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 def _base(ctx, gate_up, down, like: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-    """The base weights as tensors, and what to save of them: a stored base (stored.StoredExperts) is
-    dequantized here, in forward and again in backward, and never saved (empty tensors stand in)."""
+    """What to save of the base weights: the tensors, or for a stored base (stored.StoredExperts), which is
+    dequantized a group of experts at a time in forward and again in backward and never saved, empty
+    stand-ins."""
     if isinstance(gate_up, torch.Tensor):
         ctx.stored = None
-        return gate_up, down, gate_up, down
+        return gate_up, down
     ctx.stored = gate_up
-    return (*gate_up.dense(like.dtype), like.new_empty(0), like.new_empty(0))
+    return like.new_empty(0), like.new_empty(0)
 
 
-def _saved_base(
-    ctx, gate_up: torch.Tensor, down: torch.Tensor, like: torch.Tensor
-) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-    return (gate_up, down) if ctx.stored is None else ctx.stored.dense(like.dtype)
+def _chunks(stored, offs: Offsets) -> Iterator[tuple[int, int, int, int, Offsets]]:  # noqa: ANN001
+    """(first expert, end expert, first row, end row, their groups' ends) of each group of `stored.chunk`
+    experts: rows are grouped by expert, so a group of experts is a range of rows."""
+    ends = offs.host()
+    for e0 in range(0, len(ends), stored.chunk):
+        e1 = min(len(ends), e0 + stored.chunk)
+        r0, r1 = (ends[e0 - 1] if e0 else 0), ends[e1 - 1]
+        yield e0, e1, r0, r1, Offsets(offs.ends[e0:e1] - r0, [e - r0 for e in ends[e0:e1]])
+
+
+def _sliced(ad: Adapters | None, e0: int, e1: int) -> Adapters | None:
+    return None if ad is None else Adapters(*(t[e0:e1] for t in ad))
+
+
+def _stored_forward(stored, xs, offs, w, ad, scale, limit):  # noqa: ANN001, ANN202
+    """`_swiglu_forward` over a stored base, a group of experts at a time (their rows, their weights)."""
+    weights = stored.weights(xs.dtype)
+    n, (_, two_i, d) = xs.shape[0], stored.shape
+    gu, ys = xs.new_zeros(n, two_i), xs.new_zeros(n, d)
+    r = 0 if ad is None else ad.gate_A.shape[1]
+    acts = () if ad is None else (xs.new_zeros(n, 2 * r), xs.new_zeros(n, r))
+    for e0, e1, r0, r1, part in _chunks(stored, offs):
+        if r1 == r0:
+            continue
+        rows = slice(r0, r1)
+        out = _swiglu_forward(xs[rows], part, *weights(e0, e1), None if w is None else w[rows],
+                              _sliced(ad, e0, e1), scale, limit)  # fmt: skip
+        gu[rows], ys[rows] = out[0], out[1]
+        for held, a in zip(acts, out[2]):
+            held[rows] = a
+    return gu, ys, acts
+
+
+def _stored_backward(stored, dys, xs, gu, offs, w, ad, scale, acts, limit):  # noqa: ANN001, ANN202
+    """`_swiglu_backward` over a stored base (frozen: no base gradients), a group of experts at a time."""
+    weights = stored.weights(dys.dtype)
+    dxs, dw = torch.zeros_like(xs), None if w is None else torch.zeros_like(w)
+    grads: list[Adapters] = []
+    for e0, e1, r0, r1, part in _chunks(stored, offs):
+        rows = slice(r0, r1)
+        dx, _, _, dwc, g = _swiglu_backward(
+            dys[rows], xs[rows], gu[rows], part, *weights(e0, e1), None if w is None else w[rows],
+            _sliced(ad, e0, e1), scale, tuple(a[rows] for a in acts), False, limit,
+        )  # fmt: skip
+        dxs[rows] = dx
+        if dw is not None:
+            dw[rows] = dwc
+        if g is not None:
+            grads.append(g)
+    return dxs, None, None, dw, (Adapters(*(torch.cat(t) for t in zip(*grads))) if grads else None)
 
 
 class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, order, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
         n, k = weights.shape
-        gate_up, down, *keep = _base(ctx, gate_up, down, x)
+        keep = _base(ctx, gate_up, down, x)
         ad = Adapters(*lora) if lora else None
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
         groups = Offsets(rows.offs)
-        gu, ys, acts = _swiglu_forward(rows.take(x, per=k), groups, gate_up, down, w, ad, scale, limit)
+        if ctx.stored is None:
+            gu, ys, acts = _swiglu_forward(rows.take(x, per=k), groups, gate_up, down, w, ad, scale, limit)
+        else:
+            gu, ys, acts = _stored_forward(ctx.stored, rows.take(x, per=k), groups, w, ad, scale, limit)
         ctx.scale, ctx.limit, ctx.host = (
             scale,
             limit,
@@ -363,16 +414,21 @@ class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001, ANN205
         x, weights, order, offs, gu, gate_up, down, *rest = ctx.saved_tensors
-        gate_up, down = _saved_base(ctx, gate_up, down, x)
         acts, ad = _split_saved(rest)
         n, k = weights.shape
         rows = _Rows(order, offs, x)
         w = rows.take(weights.flatten().float())
         dys, xs = rows.take(dout.contiguous(), per=k), rows.take(x, per=k)
         base = any(ctx.needs_input_grad[4:6])
-        dxs, d_gate_up, d_down, dw, d_ad = _swiglu_backward(
-            dys, xs, gu, Offsets(rows.offs, ctx.host), gate_up, down, w, ad, ctx.scale, acts, base, ctx.limit
-        )
+        groups = Offsets(rows.offs, ctx.host)
+        if ctx.stored is None:
+            dxs, d_gate_up, d_down, dw, d_ad = _swiglu_backward(
+                dys, xs, gu, groups, gate_up, down, w, ad, ctx.scale, acts, base, ctx.limit
+            )
+        else:
+            dxs, d_gate_up, d_down, dw, d_ad = _stored_backward(
+                ctx.stored, dys, xs, gu, groups, w, ad, ctx.scale, acts, ctx.limit
+            )
         dx = _sum_per_token(dxs, rows, n, k)
         dweights = dw.index_select(0, rows.back).view(n, k).to(weights.dtype)
         return dx, dweights, None, None, d_gate_up, d_down, None, None, *(d_ad or ())
@@ -408,13 +464,15 @@ def routed_experts(
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, offs, gate_up, down, scale, limit, *lora):  # noqa: ANN001, ANN205
-        gate_up, down, *keep = _base(ctx, gate_up, down, xs)
+        keep = _base(ctx, gate_up, down, xs)
         ad = Adapters(*lora) if lora else None
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         groups = Offsets(rows.offs)
-        gu, ys, acts = _swiglu_forward(
-            rows.take(xs) if rows.padded else xs, groups, gate_up, down, None, ad, scale, limit
-        )
+        inputs = rows.take(xs) if rows.padded else xs
+        if ctx.stored is None:
+            gu, ys, acts = _swiglu_forward(inputs, groups, gate_up, down, None, ad, scale, limit)
+        else:
+            gu, ys, acts = _stored_forward(ctx.stored, inputs, groups, None, ad, scale, limit)
         ctx.scale, ctx.limit, ctx.host = scale, limit, groups._host
         ctx.save_for_backward(xs, offs, gu, *keep, *acts, *lora)
         return ys.index_select(0, rows.back) if rows.padded else ys
@@ -422,27 +480,21 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dys):  # noqa: ANN001, ANN205
         xs, offs, gu, gate_up, down, *rest = ctx.saved_tensors
-        gate_up, down = _saved_base(ctx, gate_up, down, xs)
         acts, ad = _split_saved(rest)
         rows = _Rows(torch.arange(xs.shape[0], device=xs.device), offs, xs)
         dys = dys.contiguous()
         if rows.padded:
             dys, xs = rows.take(dys), rows.take(xs)
         base = any(ctx.needs_input_grad[2:4])
-        dxs, d_gate_up, d_down, _, d_ad = _swiglu_backward(
-            dys,
-            xs,
-            gu,
-            Offsets(rows.offs, ctx.host),
-            gate_up,
-            down,
-            None,
-            ad,
-            ctx.scale,
-            acts,
-            base,
-            ctx.limit,
-        )
+        groups = Offsets(rows.offs, ctx.host)
+        if ctx.stored is None:
+            dxs, d_gate_up, d_down, _, d_ad = _swiglu_backward(
+                dys, xs, gu, groups, gate_up, down, None, ad, ctx.scale, acts, base, ctx.limit
+            )
+        else:
+            dxs, d_gate_up, d_down, _, d_ad = _stored_backward(
+                ctx.stored, dys, xs, gu, groups, None, ad, ctx.scale, acts, ctx.limit
+            )
         dxs = dxs.index_select(0, rows.back) if rows.padded else dxs
         return dxs, None, d_gate_up, d_down, None, None, *(d_ad or ())
 

@@ -146,9 +146,12 @@ class StoredWeight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight in `dtype` (through fp32, as a dense load computes it)."""
+        return self.dequantize_parts({p: self.part(p) for p in self.dtypes}, dtype)
+
+    def dequantize_parts(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight of `parts` (this weight's, or a range of experts of them) in `dtype`."""
         form = QUANTIZED[self.form]
-        parts = [self.part(p) for p in (*form.parts, *form.optional) if p in self._buffers]
-        return form.dequantize(*parts).to(dtype)
+        return form.dequantize(*(parts[p] for p in (*form.parts, *form.optional) if p in parts)).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -188,14 +191,34 @@ class _StoredLinear(torch.autograd.Function):
         return dx, None, db
 
 
+# The dequantized experts a layer holds at once (fp32, the largest transient): a V3 layer's 256 experts are
+# 44 GB, a group within this budget (6 experts of V3's, all of a small model's) is dequantized at a time.
+EXPERT_CHUNK_BYTES = 1 << 30
+
+
 class StoredExperts(nn.Module):
-    """The routed experts' gate, up and down weights of one MoE layer (this rank's experts), stored."""
+    """The routed experts' gate, up and down weights of one MoE layer (this rank's experts), stored; used
+    `chunk` experts at a time (experts.py)."""
 
     def __init__(self, gate: StoredWeight, up: StoredWeight, down: StoredWeight) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         e, i, d = gate.shape
         self.shape = (e, 2 * i, d)  # gate_up_proj's
+        self.chunk = max(1, EXPERT_CHUNK_BYTES // (3 * i * d * 4))
+
+    def weights(self, dtype: torch.dtype) -> Any:
+        """(e0, e1) -> experts [e0, e1)'s (gate_up (n, 2I, D), down (n, D, I)) in `dtype`; the parts fetched
+        once (a ZeRO-3 partition gathered once per call of this)."""
+        held = [(w, {p: w.part(p) for p in w.dtypes}) for w in (self.gate, self.up, self.down)]
+
+        def experts(e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gate, up, down = (
+                w.dequantize_parts({p: t[e0:e1] for p, t in parts.items()}, dtype) for w, parts in held
+            )
+            return torch.cat([gate, up], dim=-2), down
+
+        return experts
 
     dtype = torch.float32
 

@@ -207,3 +207,24 @@ def test_stored_weight_is_no_parameter_deepspeed_could_cast():
     assert not list(m.parameters()) and m.state_dict() == {}
     assert {b.dtype for b in m.buffers()} == {torch.uint8}
     assert w.dtypes == {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32}
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_experts_dequantized_a_group_at_a_time_compute_the_same_bits(tmp_path, chunk):
+    """A layer's stored experts are dequantized `chunk` experts at a time (stored.EXPERT_CHUNK_BYTES bounds the
+    transient: 6 of DeepSeek-V3's 256): the same rows meet the same weights, so the same bits (4 experts of
+    this model in groups of 1, and of 3 and 1)."""
+    from dstrain.model.common.stored import StoredExperts
+
+    path = tmp_path / "src"
+    fp8_folder(path)
+    dense, stored = _models(path, FORMS["fp8_v3"][1], torch.float32)
+    groups = [m for m in stored.modules() if isinstance(m, StoredExperts)]
+    assert groups and all(m.chunk >= 4 for m in groups)  # a tiny model's experts: one group by default
+    for m in groups:
+        m.chunk = chunk
+    ids = torch.randint(0, dense.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    (loss_d, grads_d), (loss_s, grads_s) = _step(dense, ids), _step(stored, ids)
+    assert torch.equal(loss_d, loss_s) and grads_d.keys() == grads_s.keys()
+    for k, g in grads_d.items():
+        assert torch.equal(g, grads_s[k]), k
