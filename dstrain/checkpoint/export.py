@@ -40,7 +40,7 @@ from dstrain.model.hf import DEFAULT_SHARD_BYTES, SAFE_INDEX, save_hf_tensors
 from dstrain.model.hf.quantize import SourceForms
 from dstrain.model.registry import on_meta
 
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_loadable, write_peft_adapter
 from .store import Checkpoint, checkpoint_weights, open_checkpoint
 from .weights import iter_weights
 
@@ -190,6 +190,8 @@ def export(
         base = os.path.abspath(source) if source and os.path.isdir(source) else (source or "")
         try:
             paths = write_peft_adapter(adapters, lora, cfg, out, base, extra)
+            if not family_of(cfg).serving_adapters:  # no engine reads its LoRA: the form peft loads
+                peft_loadable(out, out)
         except ValueError as exc:
             raise ConfigError(f"--adapter_only: {exc}") from None
         return {"checkpoint": str(ckpt), "out": str(out), "dtype": dt, "adapted": paths, "files": []}

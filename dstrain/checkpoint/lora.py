@@ -58,7 +58,7 @@ from dstrain.model.common.lora import (
     lora_state,
     merge_parts,
 )
-from dstrain.model.deepseek_v3.state_dict import dstrain_to_hf, to_hf
+from dstrain.model.registry import family_of
 
 LORA_JSON = "lora.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -89,9 +89,17 @@ def load_lora_settings(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | No
 
 
 # ------------------------------------------------------------------ PEFT adapter folders
+def peft_keys(key: str, cfg: ModelConfig) -> list[str]:
+    """dstrain tensor -> the names transformers' model gives it (the family's `peft_keys`)."""
+    names = family_of(cfg).peft_keys
+    if names is None:
+        raise ValueError(f"{family_of(cfg).name} has no PEFT adapter form")
+    return names(key, cfg)
+
+
 def hf_module_name(module: str, cfg: ModelConfig) -> str:
     """dstrain module path -> the HF module path (`layers.0.self_attn.o_proj` -> `model.layers.0...`)."""
-    keys = dstrain_to_hf(f"{module}.weight", cfg)
+    keys = peft_keys(f"{module}.weight", cfg)
     if len(keys) != 1:
         raise ValueError(f"{module} has no single Hugging Face counterpart")
     return keys[0].removesuffix(".weight")
@@ -99,7 +107,7 @@ def hf_module_name(module: str, cfg: ModelConfig) -> str:
 
 def hf_expert_modules(module: str, cfg: ModelConfig) -> list[str]:
     """Routed experts `layers.1.mlp.experts` -> the HF module of each expert, `model.layers.1.mlp.experts.{e}`."""
-    return [k.removesuffix(".down_proj.weight") for k in dstrain_to_hf(f"{module}.down_proj", cfg)]
+    return [k.removesuffix(".down_proj.weight") for k in peft_keys(f"{module}.down_proj", cfg)]
 
 
 def _is_experts(module: str) -> bool:
@@ -188,7 +196,7 @@ def write_peft_adapter(
             # peft loads a modules_to_save module only with every tensor of it in the file (else a KeyError)
             raise ValueError(f"{module} travels whole: `extra` must carry its {EXPERT_BIAS} too")
         for leaf, t in parts.items():
-            (key,) = dstrain_to_hf(f"{module}.{leaf}", cfg)
+            (key,) = peft_keys(f"{module}.{leaf}", cfg)
             tensors[PEFT_PREFIX + key] = _own(t)
         saved.append(hf_module_name(module, cfg))
     if not tensors:
@@ -199,7 +207,7 @@ def write_peft_adapter(
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if mtp:
-        side = {k: _own(t) for k, t in to_hf(sorted(mtp.items()), cfg)}
+        side = {k: _own(t) for k, t in family_of(cfg).to_hf(sorted(mtp.items()), cfg, None)}
         save_file(side, os.path.join(out_dir, MTP_WEIGHTS), metadata={"format": "pt"})
     alpha = float(settings["alpha"])
     config = {

@@ -326,6 +326,44 @@ def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, capl
     assert tok(text)["input_ids"] == load_tokenizer(None)(text)["input_ids"]
 
 
+def test_deepseek_v4_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys):
+    """No serving engine defines DeepSeek-V4 LoRA yet: `--adapter_only` writes the PEFT form transformers'
+    DeepseekV4ForCausalLM loads (its module names are dstrain's under `model.`; routed experts one key per
+    expert, converted for peft like V3's), and `--verify` gives peft's logits on transformers those of the
+    checkpoint. The grouped output projection o_a_proj has no PEFT form: adapted, it is refused in one line."""
+    from tests.model.deepseek_v4.test_state_dict import _ds_model
+
+    base = tmp_path / "base"
+    _ds_model().save_pretrained(base)
+    for targets, ok in (("q_b_proj,kv_proj,o_b_proj,shared_experts,experts", True), ("o_a_proj", False)):
+        ours = from_pretrained(base, dtype=torch.float32).eval()
+        ours.config.bias_update_speed = 0.0  # as a LoRA run keeps it: the routers stay the base's
+        opts = make_options(["--lora_r", "4", "--lora_targets", targets, "--no-train_router"])
+        apply_finetune_options(ours, opts.lora, opts.run.seed)
+        randomize_adapters(ours)
+        ckpt = fake_checkpoint(tmp_path / targets / "step_00000000", ours, base)
+        argv = [
+            "export",
+            str(ckpt),
+            "--out",
+            str(tmp_path / targets / "a"),
+            "--adapter_only",
+            "--dtype",
+            "float32",
+        ]
+        if not ok:
+            assert dstrain_main(argv) == 2
+            assert (
+                "o_a_proj: DeepSeek-V4's grouped output projection has no PEFT form"
+                in capsys.readouterr().err
+            )
+            continue
+        assert dstrain_main([*argv, "--verify"]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        diff = float(re.search(r"verify: max \|logits diff\| (\S+) \(tolerance", line)[1])
+        assert diff <= 1e-5 and line.endswith(": ok"), line
+
+
 # ------------------------------------------------------------------ the source's quantized form
 FP8_LINEAR = re.compile(
     r"(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|eh_proj"

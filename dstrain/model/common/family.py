@@ -49,6 +49,13 @@ class Family:
     lora_targets: tuple[str, ...] = ()
     """The default --lora_targets: the module names (as in its checkpoints) a LoRA fine-tune adapts when the
     run names none; () for none, and a LoRA run must then name them."""
+    peft_keys: Callable[[str, Any], list[str]] | None = None
+    """(dstrain key, cfg) -> the names transformers' model of the family gives that tensor (fused experts: each
+    expert's, one key per expert and projection), as PEFT adapter folders name what they adapt or carry whole;
+    ValueError for a module LoRA has no PEFT form for; None where `adapter_only` is unsupported."""
+    serving_adapters: bool = True
+    """Whether serving engines load its LoRA adapters (the per-expert serving folder `--adapter_only` writes);
+    else the folder is written in the form peft loads onto transformers' model (checkpoint/lora.py)."""
     splits_heads: bool = True
     """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
     release_quantization: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

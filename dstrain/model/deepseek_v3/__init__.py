@@ -8,7 +8,7 @@ from . import flops
 from .config import VARIANTS, ModelConfig
 from .model import DeepSeekLM
 from .presets import PRESETS, RELEASE_QUANTIZATION
-from .state_dict import open_v3, tensors_beside, to_hf, write_hf_config
+from .state_dict import dstrain_to_hf, open_v3, tensors_beside, to_hf, write_hf_config
 
 FAMILY = Family(
     name="deepseek_v3",
@@ -27,6 +27,7 @@ FAMILY = Family(
     # MLA's up-projections and output, the shared experts' linears (the MTP blocks' too)
     lora_targets=("q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),
     release_quantization=RELEASE_QUANTIZATION,
+    peft_keys=dstrain_to_hf,  # transformers' DeepseekV3 names its tensors as the checkpoints do
 )
 
 __all__ = ["FAMILY", "DeepSeekLM", "ModelConfig"]

@@ -6,7 +6,7 @@ from . import flops
 from .config import V4Config
 from .model import DeepSeekV4LM
 from .presets import PRESETS, RELEASE_QUANTIZATION
-from .state_dict import keeps_fp32, open_v4, to_hf, write_v4_config
+from .state_dict import keeps_fp32, open_v4, peft_keys, to_hf, write_v4_config
 
 FAMILY = Family(
     name="deepseek_v4",
@@ -24,8 +24,6 @@ FAMILY = Family(
     unsupported={
         "tp": "DeepSeek-V4 trains with data, expert, pipeline and sequence parallelism; tensor parallelism is "
         "not built for its attention and mHC yet",
-        "adapter_only": "DeepSeek-V4 adapters export merged only for now (no serving layout for its LoRA "
-        "adapters is built): drop --adapter_only",
         "memory_estimate": "the memory estimate does not model DeepSeek-V4 yet: its parameters are "
         "`dstrain.model.param_counts`; measure a short run for its activations",
     },
@@ -34,6 +32,8 @@ FAMILY = Family(
     lora_targets=("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts"),
     splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
     release_quantization=RELEASE_QUANTIZATION,
+    peft_keys=peft_keys,
+    serving_adapters=False,  # vLLM and SGLang define no DeepSeek-V4 LoRA yet: the form peft loads
 )
 
 __all__ = ["FAMILY", "DeepSeekV4LM", "V4Config"]

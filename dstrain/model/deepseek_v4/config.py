@@ -350,6 +350,11 @@ class V4Config:
         """Every V4 layer is MoE (the balancing acts on the biased, non-hash ones)."""
         return True
 
+    @property
+    def uses_expert_bias(self) -> bool:
+        """Its routers past the hash layers select with `e_score_correction_bias`."""
+        return True
+
     def attention_type(self, layer_idx: int) -> str:
         """The attention of layer `layer_idx`; MTP layers are layer_idx >= num_hidden_layers."""
         n = self.num_hidden_layers

@@ -328,3 +328,18 @@ def write_v4_config(
         json.dump(d, f, indent=2, sort_keys=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
+
+
+def peft_keys(key: str, cfg: V4Config) -> list[str]:
+    """The names transformers' DeepseekV4ForCausalLM gives dstrain tensor `key` (its modules are dstrain's, under
+    `model.`; fused experts: one key per expert and projection, as PEFT adapter folders write them)."""
+    module, _, leaf = key.rpartition(".")
+    if module.endswith("o_a_proj"):
+        raise ValueError(
+            f"{module}: DeepSeek-V4's grouped output projection has no PEFT form (peft's LoRA adds B A x over "
+            "every group's input, not B A to each group's block); drop o_a_proj from --lora_targets or export merged"
+        )
+    if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
+        projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        return [f"model.{module}.{e}.{p}.weight" for e in range(cfg.n_routed_experts) for p in projs]
+    return [f"model.{key}"]
