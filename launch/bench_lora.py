@@ -113,7 +113,7 @@ def _stored_pair(cfg, dtype: torch.dtype, r: int, targets: list[str], tmp: str) 
     from dstrain.model import from_pretrained, get_config
     from dstrain.model.build import materialize
     from dstrain.model.common.lora import init_adapters
-    from dstrain.model.common.stored import fill_stored, store_base
+    from dstrain.model.quantized import fill_stored, store_base
     from dstrain.model.registry import on_meta
     from dstrain.model.sources import Weights, fill
     from dstrain.training.finetune import apply_finetune_options

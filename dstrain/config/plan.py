@@ -246,7 +246,7 @@ def _check_stored_tp(opts: Options, folder: str, cfg: Any, dims: ParallelDims) -
     """The tensor-parallel split of every stored weight takes whole blocks of its parts (FP8's 128 x 128
     scales, INT4's groups): tried on a meta-device model, before anything is allocated."""
     from dstrain.model.build import finetune_on_meta
-    from dstrain.model.common.stored import store_base
+    from dstrain.model.quantized import store_base
     from dstrain.model.sources import open_folder
     from dstrain.parallel.dims import Groups
     from dstrain.parallel.tp import apply_tensor_parallel

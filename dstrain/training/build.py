@@ -29,8 +29,8 @@ from dstrain.config.plan import RunPlan
 from dstrain.model import DeepSeekLM
 from dstrain.model.build import materialize
 from dstrain.model.common.lora import init_adapters
-from dstrain.model.common.qat import apply_qat
-from dstrain.model.common.stored import fill_stored, store_base, stored_weights
+from dstrain.model.common.stored import stored_weights
+from dstrain.model.quantized import apply_qat, fill_stored, store_base
 from dstrain.model.registry import model_class, on_meta
 from dstrain.model.sources import Weights, fill, local_tensors
 from dstrain.parallel.pipe import Objective
@@ -69,9 +69,9 @@ def _build(plan: RunPlan, rank: int, device: torch.device, objective: Objective)
         model = _zero3(cfg, weights, plan.ds) if partitioned_init else on_meta(cfg)
         dsa_stage = plan.opts.model.dsa_stage if cfg.sparse_attention else None
         apply_finetune_options(model, plan.opts.lora, seed, dsa_stage)
-        if plan.stored_base:  # the frozen quantized weights as the files hold them (common/stored.py)
+        if plan.stored_base:  # the frozen quantized weights as the files hold them (model/quantized.py)
             store_base(model, weights.reader)
-        if plan.qat:  # what trains, fake-quantized as the export will write it (common/qat.py)
+        if plan.qat:  # what trains, fake-quantized as the export will write it (model/quantized.py)
             apply_qat(model, weights.reader)
         if (
             plan.stage == 3 and plan.stored_base

@@ -348,7 +348,13 @@ STORED = {
     "st_pp2": "--config zero1 --pp 2",
     "st_tp2": "--config zero1 --tp 2",
     "st_sp2": "--config zero3 --sp 2",
+    # the other stored forms: DeepSeek-V4's FP8 (e8m0) and FP4 experts under EP, Kimi-K2.5's INT4 under ZeRO-3
+    "v4_st_ep2": "--config zero2 --ep 2 --lora_targets q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts",
+    "int4_st_z3": "--config zero3",
 }
+# Runs of the same layouts on the folder dequantized (--base_precision bf16): V4's stored run is held to its twin
+# (tests/parallel/test_stored_base.py says why)
+DEQUANTIZED = {"v4_st_ep2_dense": STORED["v4_st_ep2"]}
 
 
 def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
@@ -358,11 +364,12 @@ def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
     from dstrain.model.common.stored import stored_weights
 
     write_configs(info, out)
-    flags = f"{STORED[name].format(out=out)} {STORED_LORA}"
+    flags = f"{STORED_LORA} {(STORED | DEQUANTIZED)[name].format(out=out)}"  # a layout's own targets win
     # QAT off: the stored base against one process on the dequantized one (QAT trains another function)
-    extra = f"--max_steps {FT_STEPS} --base_precision stored --save_every 2 --qat off"
+    base_precision = "bf16" if name in DEQUANTIZED else "stored"
+    extra = f"--max_steps {FT_STEPS} --base_precision {base_precision} --save_every 2 --qat off"
     base = f"{out}/{name}"
-    tr = trainer(flags, f"{base}/straight", info, extra=extra, hf=folder)
+    tr = trainer(flags, f"{base}/straight", info, extra=extra, hf=folder, cfg=model_for(name))
     held = {
         n: {"dtypes": {p: str(d) for p, d in w.dtypes.items()}, "bytes": w.nbytes, "source": list(w.source)}
         for n, w in stored_weights(tr.model)

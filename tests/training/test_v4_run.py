@@ -62,7 +62,7 @@ def test_fine_tune_round_trip_and_verify(v4_folder, tmp_path, capsys, rank_pools
     q_a = "model.layers.1.attn.wq_a.weight"
     assert not torch.equal(trained[q_a], src[q_a])  # the adapters trained and merged
     assert dstrain_main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter_only"]) == 2
-    assert "DeepSeek-V4 adapters export merged only" in capsys.readouterr().err
+    assert "o_a_proj: DeepSeek-V4's grouped output projection has no PEFT form" in capsys.readouterr().err
 
 
 def test_lora_dpo_on_a_v4_folder(v4_folder, tmp_path, rank_pools):

@@ -21,8 +21,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..hf.quant import QUANTIZED
-
 
 class Source(NamedTuple):
     """Where a stored weight's parts come from in the folder (`fill_stored`), and which part of them it holds."""
@@ -54,13 +52,15 @@ def cut_range(part: int, logical: int, rank: int, size: int, what: str) -> tuple
 
 
 class StoredWeight(nn.Module):
-    """One weight (or a stack of experts' weights, leading dim E) as its file stores it, from `source`."""
+    """One weight (or a stack of experts' weights, leading dim E) as its file stores it, from `source`: `form`
+    names its quantized form (hf.quant.QUANTIZED's marker), `fmt(parts, dtype, (rows, cols))` dequantizes it,
+    given by the caller (model/quantized.py): this floor reads no checkpoint format."""
 
     def __init__(
-        self, form: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...], source: Source
+        self, form: str, fmt: Any, parts: dict[str, torch.Tensor], shape: tuple[int, ...], source: Source
     ) -> None:
         super().__init__()
-        self.form, self.shape, self.source = form, tuple(shape), source
+        self.form, self.fmt, self.shape, self.source = form, fmt, tuple(shape), source
         self.dtypes: dict[str, torch.dtype] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.group: Any = None  # partitioned (`partition`): this rank holds 1/size of each part's elements
@@ -113,7 +113,9 @@ class StoredWeight(nn.Module):
                 lo, hi = cut_range(s[dim], self.shape[dim], rank, size, f"{self.source.key} ({name})")
                 s[dim] = hi - lo
             parts[name] = torch.empty(s, dtype=self.dtypes[name], device="meta")
-        return StoredWeight(self.form, parts, tuple(shape), self.source._replace(cut=(dim, rank, size)))
+        return StoredWeight(
+            self.form, self.fmt, parts, tuple(shape), self.source._replace(cut=(dim, rank, size))
+        )
 
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This slice's share of part `name`, read whole."""
@@ -149,9 +151,10 @@ class StoredWeight(nn.Module):
         return self.dequantize_parts({p: self.part(p) for p in self.dtypes}, dtype)
 
     def dequantize_parts(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight of `parts` (this weight's, or a range of experts of them) in `dtype`."""
-        form = QUANTIZED[self.form]
-        return form.dequantize(*(parts[p] for p in (*form.parts, *form.optional) if p in parts)).to(dtype)
+        """The dense weight of `parts` (this weight's, or a range of experts of them) in `dtype`, by the form's
+        `fmt(parts, dtype, shape)` (model/quantized.py: Triton's kernels where they run, torch's path elsewhere,
+        the same bits)."""
+        return self.fmt(parts, dtype, self.shape[-2:])
 
     @property
     def nbytes(self) -> int:
@@ -243,7 +246,9 @@ class StoredExperts(nn.Module):
 def _sliced(w: StoredWeight, first: int, n: int) -> StoredWeight:
     parts = {p: torch.empty((n, *s[1:]), dtype=w.dtypes[p], device="meta") for p, s in w.shapes.items()}
     start = w.source.experts[0] + first
-    return StoredWeight(w.form, parts, (n, *w.shape[1:]), w.source._replace(experts=(start, start + n)))
+    return StoredWeight(
+        w.form, w.fmt, parts, (n, *w.shape[1:]), w.source._replace(experts=(start, start + n))
+    )
 
 
 def dense_weight(weight: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -255,63 +260,3 @@ def stored_weights(model: nn.Module) -> Iterator[tuple[str, StoredWeight]]:
     for name, m in model.named_modules():
         if isinstance(m, StoredWeight):
             yield name, m
-
-
-def _meta_parts(reader: Any, key: str, half: int | None = None) -> dict[str, torch.Tensor]:
-    """Meta tensors of the parts' dtypes and shapes (from the files' headers, nothing read)."""
-    return {
-        p: torch.empty(s, dtype=dt, device="meta") for p, (dt, s) in reader.stored_layout(key, half).items()
-    }
-
-
-def store_base(model: nn.Module, reader: Any) -> int:
-    """On a model on meta, after the fine-tune options froze what does not train: every frozen weight the
-    folder stores quantized becomes its stored form (StoredWeight in a Linear's `weight`; StoredExperts in place
-    of the routed experts' fused parameters); what trains stays a parameter, dequantized as it is read.
-    -> how many tensors were stored."""
-    from .layers import Experts
-
-    count = 0
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    for name, m in linears.items():
-        key = f"{name}.weight"
-        form = reader.stored_form(key) if key in reader.sources else None
-        if form is None or not isinstance(m.weight, nn.Parameter) or m.weight.requires_grad:
-            continue
-        shape = tuple(getattr(m.weight, "ds_shape", None) or m.weight.shape)
-        del m.weight
-        m.weight = StoredWeight(form, _meta_parts(reader, key), shape, Source(key))
-        count += 1
-    for name, m in model.named_modules():
-        if not isinstance(m, Experts) or isinstance(m.gate_up_proj, StoredExperts):
-            continue
-        key = f"{name}.gate_up_proj"
-        form = reader.stored_form(key) if key in reader.sources else None
-        if form is None or m.gate_up_proj.requires_grad or m.down_proj.requires_grad:
-            continue
-        e, two_i, d = getattr(m.gate_up_proj, "ds_shape", None) or m.gate_up_proj.shape
-        gate, up = (
-            StoredWeight(form, _meta_parts(reader, key, h), (e, two_i // 2, d), Source(key, h, (0, e)))
-            for h in (0, 1)
-        )
-        down_key = f"{name}.down_proj"
-        down = StoredWeight(
-            reader.stored_form(down_key),
-            _meta_parts(reader, down_key),
-            tuple(getattr(m.down_proj, "ds_shape", None) or m.down_proj.shape),
-            Source(down_key, None, (0, e)),
-        )
-        del m.gate_up_proj, m.down_proj
-        m.gate_up_proj, m.down_proj = StoredExperts(gate, up, down), None
-        count += 3
-    return count
-
-
-@torch.no_grad()
-def fill_stored(model: nn.Module, reader: Any) -> None:
-    """Every stored weight this rank holds (not on meta) read from the folder as the files hold it."""
-    for _, w in stored_weights(model):
-        if w.is_meta:
-            continue
-        src = w.source
-        w.load(reader.read_stored(src.key, src.half, *(src.experts or ())))

@@ -18,6 +18,7 @@ a trained block gets the derived scale.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from .quant import (
     FP4_MAX,
     FP8_BLOCK,
     FP8_MAX,
+    QUANTIZED,
     dequantize_fp4,
     dequantize_fp8,
     dequantize_packed,
@@ -269,3 +271,25 @@ class SourceForms:
         miss = float((as_held(back, w) - w).norm())
         self.errors[hf_key] = miss / max(float(w.norm()), torch.finfo(torch.float32).tiny)
         return [(parts[p], t.to(self.dtype(parts[p]))) for p, t in out.items()]
+
+
+# ------------------------------------------------------------------ the export's round trip, for QAT
+def round_trip(
+    form: str, scale_dtype: torch.dtype, fp4: bool = False, bits: int = 0
+) -> Callable[..., torch.Tensor]:
+    """(w fp32, keep: the source's scales) -> dequantize(quantize(w)), fp32: what an export of `w` in the form
+    (a QUANTIZED marker; FP8 or, with `fp4`, packed FP4; packed integers of `bits`) reads back as, the same
+    functions `SourceForms.quantize` writes it with."""
+    form_ = QUANTIZED[form]
+
+    def fp8(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return form_.dequantize(*quantize_fp8(w, scale_dtype, keep=keep))
+
+    def fp4_(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return form_.dequantize(*quantize_fp4(w, keep=keep))
+
+    def packed(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        parts = quantize_packed(w, bits, keep.shape[-1], scale_dtype, keep=keep)
+        return form_.dequantize(*parts, torch.tensor(w.shape))
+
+    return packed if form == "weight_packed" else fp4_ if fp4 else fp8

@@ -9,7 +9,7 @@ import torch
 
 from dstrain.model.common.qat import Quantizer
 from dstrain.model.hf.quant import dequantize_fp8
-from dstrain.model.hf.quantize import quantize_fp8
+from dstrain.model.hf.quantize import quantize_fp8, round_trip
 from tests.checkpoint.test_export import v3_fp8_folder
 from tests.helpers.runs import train
 from tests.helpers.trainer import make_options
@@ -20,7 +20,7 @@ def test_fake_quantization_is_the_export_s_round_trip_with_a_straight_through_gr
     w = torch.randn(200, 300, generator=g)
     q, s = quantize_fp8(w, torch.float32)
     on_grid = dequantize_fp8(q, s)
-    quant = Quantizer("weight_scale_inv", s)
+    quant = Quantizer(round_trip("weight_scale_inv", torch.float32), s)
     assert torch.equal(quant.round_trip(on_grid), on_grid)  # the source's weights: on its grid, unchanged
     moved = (on_grid + 0.01 * torch.randn(w.shape, generator=g)).requires_grad_()
     out = quant(moved)
@@ -36,7 +36,7 @@ def _training_model(src, ckpt, lora: list[str]):  # noqa: ANN001, ANN202
     from dstrain.model import get_config
     from dstrain.model.build import materialize
     from dstrain.model.common.lora import is_lora_key
-    from dstrain.model.common.qat import apply_qat
+    from dstrain.model.quantized import apply_qat
     from dstrain.model.registry import on_meta
     from dstrain.model.sources import Weights, fill
     from dstrain.training.finetune import apply_finetune_options

@@ -16,7 +16,8 @@ import torch
 from dstrain.errors import CheckpointError, ConfigError
 from dstrain.model import from_pretrained, get_config
 from dstrain.model.build import materialize
-from dstrain.model.common.stored import StoredWeight, fill_stored, store_base, stored_weights
+from dstrain.model.common.stored import StoredWeight, stored_weights
+from dstrain.model.quantized import dequantizer, fill_stored, store_base
 from dstrain.model.registry import on_meta
 from dstrain.model.sources import Weights, fill, open_folder
 from dstrain.training.finetune import apply_finetune_options
@@ -199,7 +200,7 @@ def test_a_changed_base_folder_is_refused(tmp_path):
 
 def test_stored_weight_is_no_parameter_deepspeed_could_cast():
     """uint8 buffers, not persistent: DeepSpeed's module casts and ZeRO see none of it, nor does a state dict."""
-    w = StoredWeight("weight_scale_inv", {"weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+    w = StoredWeight("weight_scale_inv", dequantizer("weight_scale_inv"), {"weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
                                           "weight_scale_inv": torch.ones(1, 1)}, (4, 4), None)  # fmt: skip
     m = torch.nn.Module()
     m.w = w
