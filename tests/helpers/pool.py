@@ -244,6 +244,8 @@ _DEEPSPEED_GROUPS = {
     "_TENSOR_MODEL_PARALLEL_GROUP": lambda: None,
     "_MODEL_PARALLEL_GROUP": lambda: None,
     "_DATA_PARALLEL_GROUP": lambda: None,
+    # the layout's grid an EP run hands it (parallel/ep.py): its groups die with the scenario
+    "mpu": lambda: None,
 }
 
 
