@@ -92,10 +92,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict, still an nn.Linear for peft) that uses `linear` above; under
-    QAT (`qat`, set by qat.apply_qat) its weight fake-quantized as the export writes it."""
+    QAT (`qat`, set by model/quantized.apply_qat) its weight fake-quantized as the export writes it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qat = getattr(self, "qat", None)  # a submodule when set: no class default, which would shadow it
+        qat = self._modules.get("qat")  # a submodule when set (a dict lookup: no AttributeError per call)
         if qat is not None:
             return linear(x, qat(self.weight).to(x.dtype), self.bias)
         return linear(x, self.weight, self.bias)

@@ -142,7 +142,7 @@ class Experts(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        qat = getattr(self, "qat", None)  # QAT (qat.apply_qat): the weights as the export quantizes them
+        qat = self._modules.get("qat")  # QAT (model/quantized.py): the weights as the export quantizes them
         if qat is not None:
             gate_up, down = qat_experts(qat, self.gate_up_proj, self.down_proj)
             return routed_experts(x, idx, weights, gate_up.to(x.dtype), down.to(x.dtype), limit=self.limit)

@@ -82,7 +82,7 @@ class LoRALinear(Linear):
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qat = getattr(self, "qat", None)
+        qat = self._modules.get("qat")
         if qat is not None:  # QAT: the merged weight, as the export merges it (fp32) and quantizes it
             merged = merged_weight(
                 dense_weight(self.weight, torch.float32), self.lora_A, self.lora_B, self.scale
@@ -134,7 +134,7 @@ class LoRAExperts(Experts):
             getattr(self, f"{proj}_lora_B").zero_()
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        qat = getattr(self, "qat", None)
+        qat = self._modules.get("qat")
         if qat is not None:  # QAT: each expert's merged weights (as the export merges them), fake-quantized
             base = self.gate_up_proj
             gate_up, down = base.dense(torch.float32) if hasattr(base, "dense") else (base, self.down_proj)

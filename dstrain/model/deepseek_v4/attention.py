@@ -352,7 +352,7 @@ class V4Attention(nn.Module):
         grouped = o.reshape(b, t, self.groups, -1)
         # with LoRA: W + BA; a stored base weight dequantized
         w = getattr(self.o_a_proj, "effective_weight", lambda: dense_weight(self.o_a_proj.weight, x.dtype))()
-        qat = getattr(self.o_a_proj, "qat", None)
+        qat = self.o_a_proj._modules.get("qat")
         if qat is not None:  # QAT: the (merged) weight as the export quantizes it
             w = qat(w.float()).to(x.dtype)
         w = w.view(self.groups, -1, grouped.shape[-1])
