@@ -58,6 +58,14 @@ def tiny_config(**kw: Any):  # noqa: ANN201 - a dstrain ModelConfig
     return ModelConfig(**base)
 
 
+def tiny_kimi_linear_config(**kw: Any):  # noqa: ANN201 - a dstrain KimiLinearConfig
+    """The tiny-kimi-linear preset (KDA + dense, KDA + MoE, NoPE MLA + MoE, KDA + MoE) with the test rows'
+    vocabulary."""
+    from dstrain.model import get_config
+
+    return get_config("tiny-kimi-linear").replace(vocab_size=VOCAB, **kw)
+
+
 def tiny_v4_config(**kw: Any):  # noqa: ANN201 - a dstrain V4Config
     """A DeepSeek-V4 model of the same scale, every V4 part on at the test rows' 32 tokens: a CSA layer (8
     entries of rate 4 against a top-k of 3) behind a hash layer, an HCA layer (rate 8), a sliding one (a window

@@ -75,10 +75,11 @@ def reference_eval(model, rows: dict[str, torch.Tensor]) -> dict[str, float]:  #
         out = model(**rows)
     model.train(was)
     loss = float(out.lm_loss_sum / out.lm_tokens)
+    mtp = out.mtp_loss_sum is not None  # a model without MTP (Kimi Linear): None, as the trainer's eval says
     return {
         "eval_loss": loss,
-        "eval_mtp_loss": [float(out.mtp_loss_sum[0] / out.mtp_tokens[0])],
-        "eval_mtp_acc": float(out.mtp_hits / out.mtp_tokens[0]),
+        "eval_mtp_loss": [float(out.mtp_loss_sum[0] / out.mtp_tokens[0])] if mtp else None,
+        "eval_mtp_acc": float(out.mtp_hits / out.mtp_tokens[0]) if mtp else None,
         "eval_tokens": int(out.lm_tokens),
     }
 

@@ -72,6 +72,8 @@ LAYOUTS = {  # name -> flags
     # key, its target's heads summed over tensor-parallel ranks, and over sequence-parallel ranks' heads
     "dsa_dense_tp2": f"--config zero1 --tp 2 {DSA_DENSE}",
     "dsa_dense_sp2": f"--config zero1 --sp 2 {DSA_DENSE}",
+    # Kimi Linear (KDA + NoPE MLA + V3's MoE): its routed experts over 2 ranks
+    "kimi_ep2": "--config zero2 --ep 2",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
     "muon_z0": f"--config {{out}}/zero0.json {MUON}",
@@ -150,6 +152,10 @@ def model_for(layout: str):  # noqa: ANN201 - a dstrain ModelConfig
 
     if layout.startswith("v4_"):
         return tiny_v4_config()
+    if layout.startswith("kimi_"):
+        from tests.helpers.tiny import tiny_kimi_linear_config
+
+        return tiny_kimi_linear_config()
     if layout.startswith(("dsa_", "glm_")):
         return tiny_dsa_config(glm=layout.startswith("glm_"))
     return tiny_config()

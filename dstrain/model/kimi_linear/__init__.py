@@ -32,8 +32,7 @@ FAMILY = Family(
     unsupported={
         "tp": f"tensor parallelism (KDA's heads split over the ranks) is not built {_NOT_YET}",
         "sp": f"sequence parallelism (KDA's state over whole rows after the all-to-all) is not built {_NOT_YET}",
-        "pp": f"pipeline parallelism is not tested {_NOT_YET}",
-        "ep": f"expert parallelism is not tested {_NOT_YET}",
+        "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's attention layers) {_NOT_YET}",
         "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
         "activations); its parameters are `dstrain.model.param_counts`",

@@ -24,7 +24,6 @@ def test_the_registry_finds_the_family() -> None:
         (["--tp", "2"], "tensor parallelism"),
         (["--sp", "2"], "sequence parallelism"),
         (["--pp", "2"], "pipeline parallelism"),
-        (["--ep", "2"], "expert parallelism"),
         (["--objective", "dpo"], "DPO"),
     ],
 )
