@@ -184,20 +184,20 @@ def prepare(
             f"--lora_r {lora.lora_r}: the routed experts' adapters run one GEMM per expert with a host sync "
             "per MoE layer; a multiple of 8 keeps them in grouped GEMMs",
         )
-    stored, why = _base_precision(opts, folder, cfg, dims)
-    qat, qat_why = _qat(opts, folder, cfg, dims)
+    quantized = folder is not None and folder_is_quantized(folder, cfg)  # the files' headers, read once
+    stored, why = _base_precision(opts, folder, quantized, cfg, dims)
+    qat, qat_why = _qat(opts, quantized and has_weights(folder), dims)  # a config.json alone trains nothing
     return RunPlan(
         opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes + why + qat_why, None,
         lr_origin, trains, stored, qat,
     )  # fmt: skip
 
 
-def _qat(opts: Options, folder: str | None, cfg: Any, dims: ParallelDims) -> tuple[bool, tuple[str, ...]]:
+def _qat(opts: Options, quantized: bool, dims: ParallelDims) -> tuple[bool, tuple[str, ...]]:
     """--qat resolved: (train the folder's quantized weights fake-quantized, the line saying so)."""
     asked = opts.lora.qat
     if asked == "off":
         return False, ()
-    quantized = folder is not None and has_weights(folder) and folder_is_quantized(folder, cfg)
     if not quantized:
         if asked == "on":
             raise ConfigError(
@@ -216,12 +216,11 @@ def _qat(opts: Options, folder: str | None, cfg: Any, dims: ParallelDims) -> tup
 
 
 def _base_precision(
-    opts: Options, folder: str | None, cfg: Any, dims: ParallelDims
+    opts: Options, folder: str | None, quantized: bool, cfg: Any, dims: ParallelDims
 ) -> tuple[bool, tuple[str, ...]]:
     """--base_precision resolved: (hold the frozen quantized weights stored, the line saying so). A folder
     with only its config.json (`dstrain plan`) is quantized when the config says so."""
     asked = opts.lora.base_precision
-    quantized = folder is not None and folder_is_quantized(folder, cfg)
     if asked == "stored" and not quantized:
         raise ConfigError(
             "--base_precision stored: needs a --model folder with quantized weights (FP8, FP4 or INT4); "

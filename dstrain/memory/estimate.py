@@ -61,7 +61,6 @@ from dstrain.model.common.dsa import SCORE_ELEMENTS
 from dstrain.model.common.experts import CPU_GROUP_ROWS
 from dstrain.model.common.kernels import CPU_NATIVE_BF16
 from dstrain.model.common.loss import chunk_rows
-from dstrain.model.common.stored import EXPERT_CHUNK_BYTES
 from dstrain.parallel import ParallelDims
 
 from .stored import StoredBase, planned_base
@@ -275,59 +274,19 @@ class _Shapes:
         self.block_activations(layer, moe, indexer)
         return layer
 
-    # a stored base ----------------------------------------------------------------------------------------
-    def matrices(self, moe: bool, indexer: bool) -> list[tuple[str, int, int]]:
-        """(kind, rows, columns) of the block's linears as this rank holds them (stored.KINDS)."""
-        c, h, d = self.cfg, self.heads, self.cfg.hidden_size
-        rq, rkv = c.q_lora_rank, c.kv_lora_rank
-        q = [(h * c.qk_head_dim, d)] if rq is None else [(rq, d), (h * c.qk_head_dim, rq)]
-        kv = [
-            (rkv + c.qk_rope_head_dim, d),
-            (h * (c.qk_nope_head_dim + c.v_head_dim), rkv),
-            (d, h * c.v_head_dim),
-        ]
-        out = [("attention", r, k) for r, k in q + kv]
-        if indexer:  # wq_b and wk (the head weights stay bf16 in the releases)
-            out += [("indexer", c.index_n_heads * c.index_head_dim, rq), ("indexer", c.index_head_dim, d)]
-        width, kind = (
-            (c.moe_intermediate_size * c.n_shared_experts, "shared") if moe else (c.intermediate_size, "mlp")
-        )
-        if width:
-            out += [(kind, width // self.tp, d)] * 2 + [(kind, d, width // self.tp)]
-        return out
-
+    # a stored base: its sizes are stored.py's (StoredBase) ------------------------------------------------------
     def store(self, layer: Layer, moe: bool, indexer: bool) -> None:
         """The block's weights a stored base holds in their stored form (Workload.stored)."""
-        stored, c = self.w.stored, self.cfg
-        if stored is None:
-            return
-        for kind, rows, cols in self.matrices(moe, indexer):
-            form = stored.of(kind)
-            if form is not None:
-                layer.stored.append((rows * cols, form.nbytes(rows, cols)))
-        form = stored.of("experts")
-        if moe and form is not None:
-            d, inter = c.hidden_size, c.moe_intermediate_size
-            each = 2 * form.nbytes(inter, d) + form.nbytes(d, inter)
-            layer.experts_stored = (c.n_routed_experts // self.ep) * each
+        if self.w.stored is not None:
+            layer.stored, layer.experts_stored = self.w.stored.block(self.cfg, self.tp, self.ep, moe, indexer)
 
     def dequantized(self, layer: Layer, moe: bool) -> tuple[int, int, int]:
-        """-> (the largest stored linear's peak while dequantized, the routed experts' dense gate_up and down
-        held while they run forward and backward, their peak while dequantized: gate_up whole and down's fp32
-        temporaries); zeros without a stored base. stored.py dequantizes a weight through fp32 then the
-        compute dtype; the experts a group at a time (EXPERT_CHUNK_BYTES of fp32): gate, up, their
-        concatenation, then down."""
-        stored = self.w.stored
-        if stored is None:
+        """StoredBase.dequantized of this block; zeros without a stored base."""
+        if self.w.stored is None:
             return 0, 0, 0
-        linear = max((e for e, _ in layer.stored), default=0) * max(f.peak for _, f in stored.forms)
-        form = stored.of("experts")
-        if not (moe and layer.experts_stored and form is not None):
-            return linear, 0, 0
-        each = self.cfg.hidden_size * self.cfg.moe_intermediate_size  # one expert's gate (or up, or down)
-        group = min(layer.experts // (3 * each), max(1, EXPERT_CHUNK_BYTES // (3 * each * 4)))
-        per = group * each  # elements of a group's gate (or up, or down) stack
-        return linear, 3 * per * self.a, per * (2 * self.a + form.peak)
+        each = self.cfg.hidden_size * self.cfg.moe_intermediate_size
+        local = layer.experts // (3 * each) if moe and layer.experts_stored else 0
+        return self.w.stored.dequantized(layer.stored, local, each, self.a)
 
     def embedding(self) -> Layer:
         c = self.cfg

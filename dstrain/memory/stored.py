@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstrain.errors import ConfigError
+from dstrain.model.common.stored import EXPERT_CHUNK_BYTES
 from dstrain.model.hf.quant import FP4_BLOCK, FP8_BLOCK
 
 if TYPE_CHECKING:
@@ -81,6 +82,37 @@ class StoredBase:
 
     def of(self, kind: str) -> Form | None:
         return dict(self.forms).get(kind)
+
+    def block(
+        self, cfg: Any, tp: int, ep: int, moe: bool, indexer: bool
+    ) -> tuple[list[tuple[int, int]], int]:
+        """A block's weights held stored on a rank: ((elements, bytes) of each stored linear, bytes of its
+        routed experts)."""
+        stored = []
+        for kind, rows, cols in block_matrices(cfg, tp, moe, indexer):
+            form = self.of(kind)
+            if form is not None:
+                stored.append((rows * cols, form.nbytes(rows, cols)))
+        form = self.of("experts")
+        if not (moe and form is not None):
+            return stored, 0
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        return stored, (cfg.n_routed_experts // ep) * (2 * form.nbytes(inter, d) + form.nbytes(d, inter))
+
+    def dequantized(
+        self, stored: list[tuple[int, int]], experts: int, each: int, a: int
+    ) -> tuple[int, int, int]:
+        """-> (the largest stored linear's peak while dequantized, the routed experts' dense gate_up and down
+        held while they run forward and backward, their peak while dequantized: gate_up whole and down's fp32
+        temporaries), for a block's `stored` linears and `experts` stored experts of `each` elements per matrix,
+        `a` bytes an element. model/common/stored.py dequantizes a weight through fp32 then the compute dtype;
+        the experts a group at a time (EXPERT_CHUNK_BYTES of fp32): gate, up, their concatenation, then down."""
+        linear = max((e for e, _ in stored), default=0) * max(f.peak for _, f in self.forms)
+        form = self.of("experts")
+        if not experts or form is None:
+            return linear, 0, 0
+        per = min(experts, max(1, EXPERT_CHUNK_BYTES // (3 * each * 4))) * each  # a group's gate (up, down)
+        return linear, 3 * per * a, per * (2 * a + form.peak)
 
     def describe(self) -> str:
         by_form: dict[str, list[str]] = {}
@@ -185,4 +217,28 @@ def _module_names(cfg: Any, family: Any) -> dict[str, str]:
         except (KeyError, ValueError, StopIteration):
             continue  # a kind this model lacks
         out[kind] = hf_key.removesuffix(".weight")
+    return out
+
+
+def block_matrices(cfg: Any, tp: int, moe: bool, indexer: bool) -> list[tuple[str, int, int]]:
+    """(kind, rows, columns) of a DeepSeek-V3 block's linears as a rank of tensor-parallel size `tp` holds them
+    (KINDS)."""
+    h, d = cfg.num_attention_heads // tp, cfg.hidden_size
+    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    q = [(h * cfg.qk_head_dim, d)] if rq is None else [(rq, d), (h * cfg.qk_head_dim, rq)]
+    kv = [
+        (rkv + cfg.qk_rope_head_dim, d),
+        (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), rkv),
+        (d, h * cfg.v_head_dim),
+    ]
+    out = [("attention", r, k) for r, k in q + kv]
+    if indexer:  # wq_b and wk (the head weights stay bf16 in the releases)
+        out += [("indexer", cfg.index_n_heads * cfg.index_head_dim, rq), ("indexer", cfg.index_head_dim, d)]
+    width, kind = (
+        (cfg.moe_intermediate_size * cfg.n_shared_experts, "shared")
+        if moe
+        else (cfg.intermediate_size, "mlp")
+    )
+    if width:
+        out += [(kind, width // tp, d)] * 2 + [(kind, d, width // tp)]
     return out

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import dstrain.checkpoint.export as ex
 from dstrain.checkpoint import store
@@ -23,6 +22,7 @@ from dstrain.model.hf.files import SAFE_INDEX
 from dstrain.model.hf.quantize import quantize_fp8
 from dstrain.training.finetune import apply_finetune_options
 from tests.helpers.hf import make_hf_model, official_folder, read_folder, v2_config, v3_config
+from tests.helpers.quantized import V3_FP8, quantize_folder_fp8
 from tests.helpers.runs import read_weights, train
 from tests.helpers.tiny import byte_tokenizer
 from tests.helpers.trainer import make_options
@@ -365,38 +365,13 @@ def test_deepseek_v4_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys
 
 
 # ------------------------------------------------------------------ the source's quantized form
-FP8_LINEAR = re.compile(
-    r"(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|eh_proj"
-    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
-)
-V3_FP8 = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
-
-
 def v3_fp8_folder(path):
     """A DeepSeek-V3-style FP8 folder: the official layout (MTP layer), every projection e4m3 with an fp32
     `weight_scale_inv` per 128x128 block (amax / 448), the rest bf16; quantization_config as V3's."""
     path.mkdir()
     official_folder(path, shards=1)
     byte_tokenizer().save_pretrained(path)
-    dense = {}
-    for f in path.glob("*.safetensors"):
-        dense.update(load_file(f))
-        f.unlink()
-    (path / SAFE_INDEX).unlink(missing_ok=True)
-    files = {}
-    for k, t in dense.items():
-        if FP8_LINEAR.search(k):
-            files[k], files[k + "_scale_inv"] = quantize_fp8(t.float(), torch.float32)
-        else:
-            files[k] = t
-    save_file(files, path / "model.safetensors", metadata={"format": "pt"})
-    conf = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**conf, "quantization_config": V3_FP8}, indent=2))
+    quantize_folder_fp8(path)
     return path
 
 

@@ -27,7 +27,7 @@ from .experts import Adapters, routed_experts
 from .kernels import Linear, linear
 from .layers import ROUTER_BUFFERS, Experts, Router
 from .qat import qat_experts
-from .stored import dense_weight
+from .stored import StoredExperts, dense_weight
 
 EXPERT_PROJ = ("gate", "up", "down")
 EXPERT_ADAPTERS = tuple(f"{p}_lora_{ab}" for p in EXPERT_PROJ for ab in "AB")  # experts.Adapters' order
@@ -137,7 +137,10 @@ class LoRAExperts(Experts):
         qat = self._modules.get("qat")
         if qat is not None:  # QAT: each expert's merged weights (as the export merges them), fake-quantized
             base = self.gate_up_proj
-            gate_up, down = base.dense(torch.float32) if hasattr(base, "dense") else (base, self.down_proj)
+            stored = isinstance(base, StoredExperts)  # every expert at once: QAT's merge needs them all
+            gate_up, down = (
+                base.weights(torch.float32)(0, base.shape[0]) if stored else (base, self.down_proj)
+            )
             parts = {"gate_up_proj": gate_up.float(), "down_proj": down.float()}
             merged = merge_expert_tensors(parts | {n: getattr(self, n) for n in EXPERT_ADAPTERS}, self.scale)
             gate_up, down = qat_experts(qat, merged["gate_up_proj"], merged["down_proj"])

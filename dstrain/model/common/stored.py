@@ -233,11 +233,6 @@ class StoredExperts(nn.Module):
     def is_meta(self) -> bool:
         return self.gate.is_meta
 
-    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up (E, 2I, D), down (E, D, I)) in `dtype`: what Experts holds as parameters."""
-        gate_up = torch.cat([self.gate.dequantize(dtype), self.up.dequantize(dtype)], dim=-2)
-        return gate_up, self.down.dequantize(dtype)
-
     def local(self, first: int, n: int) -> StoredExperts:
         """Experts [first, first + n) (an expert-parallel rank's), on meta: filled from the folder."""
         return StoredExperts(*(_sliced(w, first, n) for w in (self.gate, self.up, self.down)))
