@@ -89,14 +89,7 @@ class ParallelDims:
             if getattr(self, layout) > 1:
                 family.refuse(layout, f"--{layout} {getattr(self, layout)}")
         if self.tp > 1:
-            if cfg.num_attention_heads % self.tp:
-                raise ValueError(f"--tp {self.tp} must divide num_attention_heads {cfg.num_attention_heads}")
-            sizes = {"intermediate_size": cfg.intermediate_size}
-            if cfg.n_shared_experts:
-                sizes["moe_intermediate_size x n_shared_experts"] = (
-                    cfg.moe_intermediate_size * cfg.n_shared_experts
-                )
-            for name, size in sizes.items():
+            for name, size in family.tp_sizes(cfg).items():
                 if size % self.tp:
                     raise ValueError(f"--tp {self.tp} must divide {name} {size}")
         if self.ep > 1:

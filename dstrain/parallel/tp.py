@@ -6,6 +6,7 @@ its output is all-reduced. q_a_proj, kv_a_proj_with_mqa and the norms stay repli
 them must be the sum over every head, so it is all-reduced where replicated tensors enter head-local work: the
 inputs of q_b/kv_b, and the shared rotary key k_rope, which leaves kv_a_proj_with_mqa beside the latent and is
 used by every head (DeepSpeed's AutoTP misses this one and trains with wrong gradients).
+DeepSeek-V4's attention: `_split_v4_attention`.
 MLPs (dense layers and shared experts): gate/up keep rows, down keeps columns, output all-reduced. Routed
 experts and the router stay replicated (shard them with expert parallelism). Sparse attention's indexer stays
 replicated (its inputs are); the KL's target sums the attention probabilities over every rank's heads.
@@ -29,8 +30,9 @@ from torch import nn
 from dstrain.model.common.kernels import Linear, linear
 from dstrain.model.common.layers import MLP
 from dstrain.model.common.lora import LoRALinear
-from dstrain.model.common.stored import StoredWeight
+from dstrain.model.common.stored import StoredWeight, dense_weight
 from dstrain.model.deepseek_v3.attention import MLA
+from dstrain.model.deepseek_v4.attention import V4Attention
 
 from .comm import copy_to_group, reduce_from_group, reduce_sum, sync_grad_tail
 from .dims import Groups
@@ -72,6 +74,12 @@ class ColumnParallelLoRA(LoRALinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
         return base + linear(copy_to_group(linear(x, self.lora_A), self.tp_group), self.lora_B) * self.scale
+
+    def effective_weight(self) -> torch.Tensor:
+        """This rank's rows of W + (alpha / r) B A: the whole A serves every rank's rows, so its gradient (a
+        weight used as such: V4's grouped output projection) is summed over them."""
+        a = copy_to_group(self.lora_A, self.tp_group)
+        return dense_weight(self.weight, a.dtype) + (self.lora_B @ a) * self.scale
 
 
 class RowParallelLoRA(LoRALinear):
@@ -169,7 +177,27 @@ def apply_tensor_parallel(model: nn.Module, g: Groups) -> None:
             module.kv_a_proj_with_mqa = kv_a
             if module.sparse is not None:
                 module.head_sum = functools.partial(reduce_sum, group=g.tp)
+        elif isinstance(module, V4Attention):
+            _split_v4_attention(module, g)
         elif isinstance(module, MLP):
             module.gate_proj = _swap(module.gate_proj, ColumnParallelLinear, 0, g)
             module.up_proj = _swap(module.up_proj, ColumnParallelLinear, 0, g)
             module.down_proj = _swap(module.down_proj, RowParallelLinear, 1, g)
+
+
+def _split_v4_attention(module: V4Attention, g: Groups) -> None:
+    """DeepSeek-V4: a rank keeps its heads (their query rows and sinks) and the output groups that read them
+    (o_a_proj's rows, used as a weight, and o_b_proj's matching columns, output all-reduced); the query's
+    low-rank path, the one key=value head and the compressors stay replicated, their gradient summed where every
+    head's use meets (`all_heads`). The CSA indexer stays replicated; its target sums every rank's heads."""
+    size, rank = g.dims.tp, g.tp_rank
+    module.q_b_proj = _swap(module.q_b_proj, ColumnParallelLinear, 0, g)
+    module.o_a_proj = _swap(module.o_a_proj, ColumnParallelLinear, 0, g)
+    module.o_b_proj = _swap(module.o_b_proj, RowParallelLinear, 1, g)
+    sinks = module.sinks
+    module.sinks = nn.Parameter(sinks.detach().chunk(size)[rank].clone(), requires_grad=sinks.requires_grad)
+    _mark(module.sinks, 0, rank, size)
+    module.heads //= size
+    module.groups //= size
+    module.all_heads = functools.partial(copy_to_group, group=g.tp)
+    module.head_sum = functools.partial(reduce_sum, group=g.tp)

@@ -152,9 +152,10 @@ def reference_run(
     if model is None:
         model = build_model(cfg, dtype=torch.float32, seed=opts.run.seed)
     if stage is not None:
-        # and the stage's freezing, as the trainer's (the dense warm-up: the indexers alone)
+        # and the stage's freezing, as the trainer's (the dense warm-up: the indexers alone); the routers and
+        # MTP trained as the options resolve them (LoRA's default: kept as they are)
         model.set_sparse_attention(stage)
-        set_trainable(model, train_router=True, train_mtp=True, dsa_stage=stage)
+        set_trainable(model, bool(opts.lora.train_router), bool(opts.lora.train_mtp), dsa_stage=stage)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = None
     if o.optimizer == "muon":  # the test's own Muon on the matrices, AdamW on the rest

@@ -26,6 +26,7 @@ from tests.parallel.worker import (
     RESHARD,
     RESHARD_DSA,
     STEPS,
+    V4_LORA,
     common,
 )
 
@@ -38,7 +39,7 @@ TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' spl
 # DeepSeek Sparse Attention, sparse stage: V3.2 in every layout; GLM-5's shared layer alone on a pipeline stage
 TWO_DSA = ["dsa_z3", "dsa_pp2", "glm_pp2", "dsa_tp2", "dsa_ep2", "dsa_sp2"]
 # DeepSeek-V4, the CSA indexer in its sparse stage (launched with DSA's)
-TWO_V4 = ["v4_z3", "v4_ep2", "v4_pp2", "v4_sp2"]
+TWO_V4 = ["v4_z3", "v4_ep2", "v4_pp2", "v4_sp2", "v4_tp2"]
 TWO_KIMI = ["kimi_ep2"]  # Kimi Linear (launched with DSA's)
 BF16 = ["pp2_bf16", "tp2_bf16", "ep2_bf16"]  # against dp2_bf16
 TWO_MUON = ["muon_z0", "muon_z1", "muon_z2", "muon_z3", "muon_ep2", "muon_pp2", "muon_sp2", "muon_ep2_lora"]
@@ -52,15 +53,16 @@ def reference():
     return hist, state
 
 
-def _lora_reference(extra: str = ""):
+def _lora_reference(extra: str = "", cfg=None, lora: str = LORA):  # noqa: ANN001
     from dstrain.model import build_model
     from dstrain.training.finetune import apply_finetune_options
 
-    opts = make_options([*common(1).split(), *LORA.split(), *extra.split()])
-    model = build_model(tiny_config(), seed=opts.run.seed)
+    cfg = cfg or tiny_config()
+    opts = make_options([*common(1).split(), *lora.split(), *extra.split()])
+    model = build_model(cfg, seed=opts.run.seed)
     apply_finetune_options(model, opts.lora, opts.run.seed)
     state: dict = {}
-    hist = reference_run(tiny_config(), opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state, model=model)
+    hist = reference_run(cfg, opts, steps=STEPS, global_batch=GLOBAL_ROWS, state=state, model=model)
     return hist, state
 
 
@@ -313,6 +315,16 @@ def test_v4_layouts_match_one_process(dsa_two_rank, dsa_reference, name):
         )
     assert dev["indexer_loss"] <= 1e-5, dev
     print(name, dev)
+
+
+def test_v4_lora_under_tensor_parallelism_matches_one_process(dsa_two_rank):
+    """DeepSeek-V4's LoRA on TP2: the heads' query adapters split with their rows, the grouped output
+    projection's (used as a weight: its whole A's gradient summed over the ranks) with its groups, the shared
+    key=value head's whole, the CSA indexer's trained by its KL (the target summing both ranks' heads), every
+    routed expert's replicated: 8 steps equal one process's."""
+    tmp, res = dsa_two_rank
+    reference = _lora_reference(DSA, tiny_v4_config(), V4_LORA)
+    print("v4_tp2_lora", _check(tmp, "v4_tp2_lora", res["v4_tp2_lora"], reference, lora=True))
 
 
 @pytest.fixture(scope="module")

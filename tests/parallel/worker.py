@@ -24,6 +24,11 @@ LORA = (
     "--lora_r 4 --lora_alpha 8 --lora_targets "
     "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts,gate --moe_bias_update_speed 0.01"
 )
+# DeepSeek-V4's LoRA: its default targets (the grouped output projection's used as a weight), every routed expert
+V4_LORA = (
+    "--lora_r 4 --lora_alpha 8 --lora_targets q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts "
+    "--moe_bias_update_speed 0.01"
+)
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
 DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"  # a coefficient that makes the indexers' share visible
 # The warm-up trains the indexers alone: a coefficient that puts their gradient norm past the clip (0.5)
@@ -90,6 +95,8 @@ LAYOUTS = {  # name -> flags
     "v4_ep2": f"--config zero2 --ep 2 {DSA}",
     "v4_pp2": f"--config zero1 --pp 2 {DSA}",
     "v4_sp2": f"--config zero2 --sp 2 {DSA}",
+    "v4_tp2": f"--config zero1 --tp 2 {DSA}",
+    "v4_tp2_lora": f"--config zero1 --tp 2 {DSA} {V4_LORA}",
     # The GPU configuration on gloo (test_layouts.py::test_bf16_layouts_with_overlapped_reductions): bf16,
     # ZeRO's reductions overlapped with backward (overlap_comm, on by default with CUDA)
     "dp2_bf16": "--config {out}/zero1_overlap.json --precision bf16",
@@ -101,7 +108,16 @@ LAYOUTS = {  # name -> flags
 # Layouts whose run is not resumed in the same layout (the suite's time: every V3 layout checks that exact
 # resume, which is the layout's, not the model's; DeepSeek-V4 resumes on another layout in RESHARD_DSA; DSA's
 # dense stage is its sparse stage's model)
-NO_SAME_LAYOUT_RESUME = ("v4_z3", "v4_ep2", "v4_pp2", "v4_sp2", "dsa_dense_tp2", "dsa_dense_sp2")
+NO_SAME_LAYOUT_RESUME = (
+    "v4_z3",
+    "v4_ep2",
+    "v4_pp2",
+    "v4_sp2",
+    "v4_tp2",
+    "v4_tp2_lora",
+    "dsa_dense_tp2",
+    "dsa_dense_sp2",
+)
 # ranks -> (target layout, source layout whose step-3 checkpoint it continues)
 RESHARD = {
     1: [("dp1_z1", "dp2_z1"), ("dp1_z2", "dp2_z2"), ("dp1_z3", "dp2_z3"), ("dp1_z1", "ep2_z1")]
@@ -358,9 +374,6 @@ STORED = {
     "v4_st_ep2": "--config zero2 --ep 2 --lora_targets q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts",
     "int4_st_z3": "--config zero3",
 }
-# Runs of the same layouts on the folder dequantized (--base_precision bf16): V4's stored run is held to its twin
-# (tests/parallel/test_stored_base.py says why)
-DEQUANTIZED = {"v4_st_ep2_dense": STORED["v4_st_ep2"]}
 
 
 def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
@@ -370,10 +383,9 @@ def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
     from dstrain.model.common.stored import stored_weights
 
     write_configs(info, out)
-    flags = f"{STORED_LORA} {(STORED | DEQUANTIZED)[name].format(out=out)}"  # a layout's own targets win
+    flags = f"{STORED_LORA} {STORED[name].format(out=out)}"  # a layout's own targets win
     # QAT off: the stored base against one process on the dequantized one (QAT trains another function)
-    base_precision = "bf16" if name in DEQUANTIZED else "stored"
-    extra = f"--max_steps {FT_STEPS} --base_precision {base_precision} --save_every 2 --qat off"
+    extra = f"--max_steps {FT_STEPS} --base_precision stored --save_every 2 --qat off"
     base = f"{out}/{name}"
     tr = trainer(flags, f"{base}/straight", info, extra=extra, hf=folder, cfg=model_for(name))
     held = {

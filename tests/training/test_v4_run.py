@@ -88,8 +88,8 @@ def test_lora_dpo_on_a_v4_folder(v4_folder, tmp_path, rank_pools):
     assert steps[2]["loss"] < math.log(2) - 0.01 and steps[2]["rewards/accuracies"] == 1.0
 
 
-def test_tensor_parallel_is_a_one_line_error():
-    with pytest.raises(
-        ValueError, match="--tp 2: DeepSeek-V4 trains with data, expert, pipeline and sequence"
-    ):
-        ParallelDims(world=2, tp=2).validate(tiny_v4_config(), 1)
+def test_tensor_parallel_sizes_are_checked_in_one_line():
+    """TP keeps whole output groups per rank: --tp must divide o_groups too (tp.py, `Family.tp_sizes`)."""
+    ParallelDims(world=2, tp=2).validate(tiny_v4_config(), 1)
+    with pytest.raises(ValueError, match="^--tp 4 must divide o_groups 2$"):
+        ParallelDims(world=4, tp=4).validate(tiny_v4_config(num_attention_heads=4), 1)

@@ -12,6 +12,15 @@ from typing import Any
 from torch import nn
 
 
+def heads_and_mlp_sizes(cfg: Any) -> dict[str, int]:
+    """What tensor parallelism splits in a V3-style model (MLA's heads, the dense MLP's and the shared
+    experts' hidden sizes), by the name a refusal gives each."""
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size}
+    if cfg.n_shared_experts:
+        sizes["moe_intermediate_size x n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+    return sizes
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -58,6 +67,8 @@ class Family:
     else the folder is written in the form peft loads onto transformers' model (checkpoint/lora.py)."""
     splits_heads: bool = True
     """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
+    tp_sizes: Callable[[Any], dict[str, int]] = heads_and_mlp_sizes
+    """(cfg) -> the sizes tensor parallelism splits, by name: --tp must divide each."""
     release_quantization: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Preset name -> the config.json quantization keys (`quantization_config`, V4's `expert_dtype`) of the
     release the preset describes, where that release ships its weights quantized: how `dstrain plan` sizes a

@@ -3,7 +3,7 @@ the CSA indexer), mhc.py (hyper-connections), model.py, state_dict.py (both key 
 
 from ..common.family import Family
 from . import flops
-from .config import V4Config
+from .config import V4Config, tp_sizes
 from .model import DeepSeekV4LM
 from .presets import PRESETS, RELEASE_QUANTIZATION
 from .state_dict import keeps_fp32, open_v4, peft_keys, to_hf, write_v4_config
@@ -22,14 +22,13 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full", "mhc"),
     unsupported={
-        "tp": "DeepSeek-V4 trains with data, expert, pipeline and sequence parallelism; tensor parallelism is "
-        "not built for its attention and mHC yet",
         "memory_estimate": "the memory estimate does not model DeepSeek-V4 yet: its parameters are "
         "`dstrain.model.param_counts`; measure a short run for its activations",
     },
     # V3's default, in V4's attention: the query up-projection (the CSA indexer's q_b_proj included), the one
     # key=value projection (the compressors' included), the grouped low-rank output, the shared experts
     lora_targets=("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts"),
+    tp_sizes=tp_sizes,
     splits_heads=False,  # one shared key=value head: the queries' heads stay whole on every rank
     release_quantization=RELEASE_QUANTIZATION,
     peft_keys=peft_keys,

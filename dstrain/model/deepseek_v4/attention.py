@@ -301,7 +301,18 @@ def indexer_kl(
     return grad, torch.stack([kl, queries, recall, queries])
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class V4Attention(nn.Module):
+    # Tensor parallelism (dstrain.parallel.tp) keeps a rank's heads and output groups and sets these two: the
+    # shared key=value head and the compressed entries, used by every rank's heads, pass `all_heads` (their
+    # gradient summed over the ranks); the entries' attention probabilities, summed over this rank's heads,
+    # pass `head_sum` (the indexer's target sums every head's).
+    all_heads: Any = staticmethod(_same)
+    head_sum: Any = staticmethod(_same)
+
     def __init__(self, cfg: V4Config, layer_idx: int) -> None:
         super().__init__()
         self.kind = cfg.attention_type(layer_idx)
@@ -336,18 +347,20 @@ class V4Attention(nn.Module):
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms(self.q_b_proj(q_res).view(b, t, self.heads, self.head_dim), self.eps)
         q = rotate(q, cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = inputs.whole(rotate(self.kv_norm(self.kv_proj(x)), cos, sin))
+        kv = self.all_heads(inputs.whole(rotate(self.kv_norm(self.kv_proj(x)), cos, sin)))
         entries = mask = None
         if self.compressor is not None:
             whole_x = inputs.whole(x)  # the compressors pool the whole rows
             entries, visible = self._entries(whole_x, inputs, t)
-            mask = visible
+            entries, mask = self.all_heads(entries), visible
         if self.sparse is not None and entries.shape[1]:
             scores, chosen = self._index(x, whole_x, q_res, inputs, visible)
             mask = visible if self.sparse.dense else chosen
         o, probs = attend(q, kv, entries, mask, self.sinks, self.window, inputs.doc, inputs.offset)
         if self.sparse is not None and entries.shape[1] and (self.sparse.loss or not self.training):
-            o = self._indexer_loss(o, scores, probs, mask, None if mask is chosen else chosen, inputs)
+            o = self._indexer_loss(
+                o, scores, self.head_sum(probs), mask, None if mask is chosen else chosen, inputs
+            )
         o = rotate(o, cos.unsqueeze(2), -sin.unsqueeze(2))  # the value's rotation undone at the query
         grouped = o.reshape(b, t, self.groups, -1)
         # with LoRA: W + BA; a stored base weight dequantized

@@ -539,6 +539,16 @@ class V4Config:
         return config_from_folder(cls, path)
 
 
+def tp_sizes(cfg: V4Config) -> dict[str, int]:
+    """What tensor parallelism splits in V4: the query heads with their sinks, the output projection's groups
+    (a rank keeps whole groups, i.e. the heads each group reads), the shared expert's hidden size."""
+    return {
+        "num_attention_heads": cfg.num_attention_heads,
+        "o_groups": cfg.o_groups,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+    }
+
+
 def _normalised_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """{"rope_type": "yarn", ...} from either spelling ("type" is DeepSeek's); None for no scaling."""
     if scaling is None:
