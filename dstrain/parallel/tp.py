@@ -27,11 +27,12 @@ import functools
 import torch
 from torch import nn
 
+from dstrain.model.common.kda import KDA, GatedRMSNorm, gated_rms_norm
 from dstrain.model.common.kernels import Linear, linear
 from dstrain.model.common.layers import MLP
 from dstrain.model.common.lora import LoRALinear
+from dstrain.model.common.mla import LatentProjections
 from dstrain.model.common.stored import StoredWeight, dense_weight
-from dstrain.model.deepseek_v3.attention import MLA
 from dstrain.model.deepseek_v4.attention import V4Attention
 
 from .comm import copy_to_group, reduce_from_group, reduce_sum, sync_grad_tail
@@ -80,6 +81,16 @@ class ColumnParallelLoRA(LoRALinear):
         weight used as such: V4's grouped output projection) is summed over them."""
         a = copy_to_group(self.lora_A, self.tp_group)
         return dense_weight(self.weight, a.dtype) + (self.lora_B @ a) * self.scale
+
+
+class SharedGatedNorm(GatedRMSNorm):
+    """KDA's output norm under tensor parallelism: one weight over every head's channels, so its gradient sums
+    every rank's heads."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, copy_to_group(self.weight, self.tp_group), self.eps)
 
 
 class RowParallelLoRA(LoRALinear):
@@ -164,7 +175,7 @@ def apply_tensor_parallel(model: nn.Module, g: Groups) -> None:
     if g.dims.tp == 1:
         return
     for module in list(model.modules()):
-        if isinstance(module, MLA):
+        if isinstance(module, LatentProjections):  # MLA: DeepSeek's and Kimi Linear's (NoPE)
             cfg = module.cfg
             if cfg.q_lora_rank is None:
                 module.q_proj = _swap(module.q_proj, ColumnParallelLinear, 0, g)
@@ -175,8 +186,10 @@ def apply_tensor_parallel(model: nn.Module, g: Groups) -> None:
             kv_a = _swap(module.kv_a_proj_with_mqa, RopeKeySyncLinear, None, g)
             kv_a.rope_dim = cfg.qk_rope_head_dim
             module.kv_a_proj_with_mqa = kv_a
-            if module.sparse is not None:
+            if getattr(module, "sparse", None) is not None:
                 module.head_sum = functools.partial(reduce_sum, group=g.tp)
+        elif isinstance(module, KDA):
+            _split_kda(module, g)
         elif isinstance(module, V4Attention):
             _split_v4_attention(module, g)
         elif isinstance(module, MLP):
@@ -190,14 +203,41 @@ def _split_v4_attention(module: V4Attention, g: Groups) -> None:
     (o_a_proj's rows, used as a weight, and o_b_proj's matching columns, output all-reduced); the query's
     low-rank path, the one key=value head and the compressors stay replicated, their gradient summed where every
     head's use meets (`all_heads`). The CSA indexer stays replicated; its target sums every rank's heads."""
-    size, rank = g.dims.tp, g.tp_rank
+    size = g.dims.tp
     module.q_b_proj = _swap(module.q_b_proj, ColumnParallelLinear, 0, g)
     module.o_a_proj = _swap(module.o_a_proj, ColumnParallelLinear, 0, g)
     module.o_b_proj = _swap(module.o_b_proj, RowParallelLinear, 1, g)
-    sinks = module.sinks
-    module.sinks = nn.Parameter(sinks.detach().chunk(size)[rank].clone(), requires_grad=sinks.requires_grad)
-    _mark(module.sinks, 0, rank, size)
+    module.sinks = _param_slice(module.sinks, 0, g)
     module.heads //= size
     module.groups //= size
     module.all_heads = functools.partial(copy_to_group, group=g.tp)
     module.head_sum = functools.partial(reduce_sum, group=g.tp)
+
+
+def _split_kda(module: KDA, g: Groups) -> None:
+    """Kimi Delta Attention: a rank keeps its heads: their q/k/v rows and short convolutions' channels (depthwise,
+    so channels split freely), the forget gate's and output gate's second projections with dt_bias, A_log and
+    b_proj's heads; o_proj's matching columns, its output all-reduced. The gates' first (low-rank) projections
+    stay replicated, their gradient summed at the split projections' inputs; the output norm's weight, shared by
+    every head, sums its gradient too (`SharedGatedNorm`)."""
+    for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj"):
+        setattr(module, name, _swap(getattr(module, name), ColumnParallelLinear, 0, g))
+    module.o_proj = _swap(module.o_proj, RowParallelLinear, 1, g)
+    for conv in (module.q_conv1d, module.k_conv1d, module.v_conv1d):
+        conv.weight = _param_slice(conv.weight, 0, g)
+    module.dt_bias = _param_slice(module.dt_bias, 0, g)
+    # A_log as the checkpoint holds it: (H,) or (1, 1, H, 1)
+    module.A_log = _param_slice(module.A_log, list(module.A_log.shape).index(module.num_heads), g)
+    norm = SharedGatedNorm.__new__(SharedGatedNorm)
+    norm.__dict__.update(module.o_norm.__dict__)
+    norm.tp_group = g.tp
+    module.o_norm = norm
+    module.num_heads //= g.dims.tp
+
+
+def _param_slice(p: nn.Parameter, dim: int, g: Groups) -> nn.Parameter:
+    """This rank's slice of a parameter along `dim`, marked as a shard."""
+    size, rank = g.dims.tp, g.tp_rank
+    out = nn.Parameter(p.detach().chunk(size, dim=dim)[rank].clone(), requires_grad=p.requires_grad)
+    _mark(out, dim, rank, size)
+    return out

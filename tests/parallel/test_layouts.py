@@ -21,6 +21,7 @@ from tests.parallel.worker import (
     DSA,
     DSA_DENSE,
     GLOBAL_ROWS,
+    KIMI_LORA,
     LORA,
     MUON,
     RESHARD,
@@ -40,7 +41,7 @@ TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' spl
 TWO_DSA = ["dsa_z3", "dsa_pp2", "glm_pp2", "dsa_tp2", "dsa_ep2", "dsa_sp2"]
 # DeepSeek-V4, the CSA indexer in its sparse stage (launched with DSA's)
 TWO_V4 = ["v4_z3", "v4_ep2", "v4_pp2", "v4_sp2", "v4_tp2"]
-TWO_KIMI = ["kimi_ep2"]  # Kimi Linear (launched with DSA's)
+TWO_KIMI = ["kimi_ep2", "kimi_tp2"]  # Kimi Linear (launched with DSA's)
 BF16 = ["pp2_bf16", "tp2_bf16", "ep2_bf16"]  # against dp2_bf16
 TWO_MUON = ["muon_z0", "muon_z1", "muon_z2", "muon_z3", "muon_ep2", "muon_pp2", "muon_sp2", "muon_ep2_lora"]
 
@@ -54,11 +55,14 @@ def reference():
 
 
 def _lora_reference(extra: str = "", cfg=None, lora: str = LORA):  # noqa: ANN001
+    from dstrain.config.plan import model_config
     from dstrain.model import build_model
     from dstrain.training.finetune import apply_finetune_options
 
-    cfg = cfg or tiny_config()
     opts = make_options([*common(1).split(), *lora.split(), *extra.split()])
+    cfg = model_config(
+        opts, cfg or tiny_config()
+    )  # the run's settings (the expert bias's speed) as the trainer's
     model = build_model(cfg, seed=opts.run.seed)
     apply_finetune_options(model, opts.lora, opts.run.seed)
     state: dict = {}
@@ -345,6 +349,16 @@ def test_kimi_linear_layouts_match_one_process(dsa_two_rank, kimi_reference, nam
     exactly in the same layout."""
     tmp, res = dsa_two_rank
     print(name, _check(tmp, name, res[name], kimi_reference))
+
+
+def test_kimi_linear_lora_under_tensor_parallelism_matches_one_process(dsa_two_rank):
+    """Kimi Linear's LoRA on TP2: KDA's split projections' adapters (q/k/v, the gates' second projections, beta)
+    with their heads, the gates' replicated first projections' whole, MLA's as V3's: 8 steps equal one process's."""
+    from tests.helpers.tiny import tiny_kimi_linear_config
+
+    tmp, res = dsa_two_rank
+    reference = _lora_reference("", tiny_kimi_linear_config(), KIMI_LORA)
+    print("kimi_tp2_lora", _check(tmp, "kimi_tp2_lora", res["kimi_tp2_lora"], reference, lora=True))
 
 
 def test_v4_hash_table_never_trains(dsa_reference):

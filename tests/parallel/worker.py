@@ -29,6 +29,13 @@ V4_LORA = (
     "--lora_r 4 --lora_alpha 8 --lora_targets q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts "
     "--moe_bias_update_speed 0.01"
 )
+# Kimi Linear's LoRA: its default targets (KDA's q/k/v, MLA's kv_b_proj, both outputs, the shared experts) and
+# KDA's gates' projections, every routed expert
+KIMI_LORA = (
+    "--lora_r 4 --lora_alpha 8 --lora_targets "
+    "q_proj,k_proj,v_proj,kv_b_proj,o_proj,f_a_proj,f_b_proj,b_proj,g_b_proj,shared_experts,experts "
+    "--moe_bias_update_speed 0.01"
+)
 STEPS = 8  # saved at 3: resumed runs (same or another layout) take 5 steps
 DSA = "--dsa_stage sparse --indexer_loss_coef 0.5"  # a coefficient that makes the indexers' share visible
 # The warm-up trains the indexers alone: a coefficient that puts their gradient norm past the clip (0.5)
@@ -79,6 +86,8 @@ LAYOUTS = {  # name -> flags
     "dsa_dense_sp2": f"--config zero1 --sp 2 {DSA_DENSE}",
     # Kimi Linear (KDA + NoPE MLA + V3's MoE): its routed experts over 2 ranks
     "kimi_ep2": "--config zero2 --ep 2",
+    "kimi_tp2": "--config zero1 --tp 2",
+    "kimi_tp2_lora": f"--config zero1 --tp 2 {KIMI_LORA}",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
     "muon_z0": f"--config {{out}}/zero0.json {MUON}",

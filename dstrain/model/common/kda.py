@@ -188,9 +188,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 class KDA(nn.Module):

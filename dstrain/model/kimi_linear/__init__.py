@@ -1,18 +1,25 @@
 """Kimi Linear (Moonshot's `kimi_linear`): KDA layers (common/kda.py) interleaved with NoPE MLA, V3-style MoE.
 config.py, presets.py, attention.py (NoPE MLA), model.py, state_dict.py (the key table), flops.py.
 
-GLM-5.3-Flash (`glm5_next`) is planned as a family of its own (`glm5_next/`), not a variant of this one: it
-shares KDA, MLA and the MoE through common/, but its blocks carry V4's mHC streams, its MLA layers DSA over
-k-pools with shared indexers, and it has MTP and a vision tower: a different block, key table and config.json."""
+GLM-5.3-Flash (`glm5_next`) is a family of its own (`glm5_next/`), not a variant of this one: it shares KDA,
+MLA and the MoE through common/, but its blocks carry V4's mHC streams, its MLA layers DSA over k-pools with
+shared indexers, and it has MTP and a vision tower: a different block, key table and config.json."""
 
-from ..common.family import Family
+from ..common.family import Family, heads_and_mlp_sizes
 from . import flops
 from .config import KimiLinearConfig
 from .model import KimiLinearLM
 from .presets import PRESETS
 from .state_dict import keeps_fp32, open_folder, to_hf, write_config
 
-_NOT_YET = "for Kimi Linear yet; it trains on one process or data parallel with ZeRO"
+_NOT_YET = "for Kimi Linear yet; it trains on one process, data, tensor or expert parallel with ZeRO"
+
+
+def tp_sizes(cfg: KimiLinearConfig) -> dict[str, int]:
+    """MLA's heads and the MLPs as V3's, and KDA's heads (a rank keeps whole heads of both kinds)."""
+    return {**heads_and_mlp_sizes(cfg), "linear_num_heads": cfg.linear_num_heads}
+
+
 FAMILY = Family(
     name="kimi_linear",
     config=KimiLinearConfig,
@@ -26,11 +33,11 @@ FAMILY = Family(
     param_counts=flops.param_counts,
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
+    tp_sizes=tp_sizes,
     # KDA's q, k, v projections and MLA's (q_proj: no query compression) key/value up-projection, both
     # layers' output, the shared experts
     lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
     unsupported={
-        "tp": f"tensor parallelism (KDA's heads split over the ranks) is not built {_NOT_YET}",
         "sp": f"sequence parallelism (KDA's state over whole rows after the all-to-all) is not built {_NOT_YET}",
         "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's attention layers) {_NOT_YET}",
         "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",

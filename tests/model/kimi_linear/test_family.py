@@ -21,7 +21,6 @@ def test_the_registry_finds_the_family() -> None:
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--tp", "2"], "tensor parallelism"),
         (["--sp", "2"], "sequence parallelism"),
         (["--pp", "2"], "pipeline parallelism"),
         (["--objective", "dpo"], "DPO"),
