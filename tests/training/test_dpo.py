@@ -414,6 +414,21 @@ def test_deepseek_v4_dpo_starts_at_log2_and_learns(tmp_path, rank_pools):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("lora", [False, True])
+def test_kimi_linear_dpo_starts_at_log2_and_learns(tmp_path, rank_pools, lora):
+    """DPO on the tiny Kimi Linear (KDA and NoPE MLA layers), one process, in full (the precomputed reference) and
+    with LoRA on its default targets (the reference: the adapters off): the policy at step 1 is the reference,
+    then it ranks the step's pairs."""
+    flags = f"--config zero1 {V4_DPO}" + (" --lora_r 8 --lora_alpha 16 --lr 1e-2" if lora else "")
+    worker = "tests.training.worker:dpo_v4_run"
+    history = rank_pools.run(1, worker, str(tmp_path), "kimi", flags, 4, "kimi")[0]
+    first = history[0]
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
+    assert first["pairs"] == 8 and history[2]["loss"] < history[1]["loss"] < math.log(2) - 0.01
+    assert history[2]["rewards/accuracies"] == 1.0
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["sp2", "pp2"])
 def test_deepseek_v4_dpo_layouts_match_one_process(tmp_path, rank_pools, layout):
     """V4's own sequence parallelism (whole rows' keys and compressed entries gathered, the halo) and a

@@ -43,7 +43,6 @@ FAMILY = Family(
         "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
         "activations); its parameters are `dstrain.model.param_counts`",
-        "dpo": "DPO is not tested on Kimi Linear yet; it trains with the language-model objective",
     },
 )
 
