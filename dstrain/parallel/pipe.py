@@ -92,7 +92,7 @@ class Embed(nn.Module):
         self.embed_tokens = lm.embed_tokens
         self.depth = len(lm.mtp)
         self.load_shape = (len(_main_moe_rows(lm)), lm.config.n_routed_experts or 0)
-        self.topk = lm.config.index_topk or 0
+        self.topk = getattr(lm.config, "index_topk", None) or 0  # sparse attention's, where the family has it
         self.acts = acts
         object.__setattr__(self, "_lm", lm)
 
@@ -133,7 +133,7 @@ class BlockLayer(nn.Module):
         h, pos, aux, load, ext, sel, ids = self.acts.unpack(inputs)
         ctx = self._ctx(pos, ids)
         layout = ctx[-1]  # (rope, layout), or DeepSeek-V4's inputs: where the indexers' figures go
-        sparse = self.block.self_attn.sparse
+        sparse = getattr(self.block.self_attn, "sparse", None)  # linear attention (KDA) has no key selection
         if sel is not None and sparse.source != self.index:  # a shared layer: the latest full one's keys
             layout.selections.setdefault(sparse.source, sel)
         h, block_aux, block_load = self._lm.run_block(self.block, h, *ctx)

@@ -12,7 +12,9 @@ from .model import KimiLinearLM
 from .presets import PRESETS
 from .state_dict import keeps_fp32, open_folder, to_hf, write_config
 
-_NOT_YET = "for Kimi Linear yet; it trains on one process, data, tensor or expert parallel with ZeRO"
+_NOT_YET = (
+    "for Kimi Linear yet; it trains on one process, data, tensor, expert or pipeline parallel with ZeRO"
+)
 
 
 def tp_sizes(cfg: KimiLinearConfig) -> dict[str, int]:
@@ -39,7 +41,6 @@ FAMILY = Family(
     lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
     unsupported={
         "sp": f"sequence parallelism (KDA's state over whole rows after the all-to-all) is not built {_NOT_YET}",
-        "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's attention layers) {_NOT_YET}",
         "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
         "activations); its parameters are `dstrain.model.param_counts`",

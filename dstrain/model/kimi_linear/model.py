@@ -44,7 +44,7 @@ class Block(nn.Module):
         moe = cfg.is_moe_layer(layer_idx)
         self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout, starts: torch.Tensor | None):  # noqa: ANN201
+    def forward(self, x: torch.Tensor, starts: torch.Tensor | None, layout: AttentionLayout):  # noqa: ANN201
         """-> (x, balance loss or None, expert load or None)."""
         h = self.input_layernorm(x)
         x = x + (self.self_attn(h, starts) if self.kda else self.self_attn(h, layout))
@@ -111,23 +111,24 @@ class KimiLinearLM(nn.Module):
         return embedded
 
     def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> tuple:
-        """What every block reads besides the hidden states: (attention layout, document starts)."""
+        """What every block reads besides the hidden states: (document starts, attention layout), the layout
+        last as every family's (the pipeline finds its figures there)."""
         b, t = position_ids.shape
         return self.context(position_ids, b, t, position_ids.device)
 
     def context(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
-    ) -> tuple[AttentionLayout, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, AttentionLayout]:
         layout = attention_layout(position_ids, b, t, device)
         layout.real = real_tokens(position_ids)
         starts = None if layout.causal_only else document_starts(position_ids)
-        return layout, starts
+        return starts, layout
 
-    def run_block(self, block: Block, h: torch.Tensor, layout: AttentionLayout, starts: torch.Tensor | None):  # noqa: ANN201
+    def run_block(self, block: Block, h: torch.Tensor, starts: torch.Tensor | None, layout: AttentionLayout):  # noqa: ANN201
         """One block (recomputed in backward under 'full' activation checkpointing) -> (h, aux, load)."""
         if self.activation_checkpointing == "full" and self.training:
-            return checkpoint(block, h, layout, starts, use_reentrant=False)
-        return block(h, layout, starts)
+            return checkpoint(block, h, starts, layout, use_reentrant=False)
+        return block(h, starts, layout)
 
     def forward(
         self,
@@ -140,23 +141,24 @@ class KimiLinearLM(nn.Module):
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document (-1: padding); labels
         (B, T) unshifted, -100 not a target; `token_losses`: each position's cross-entropy too (DPO)."""
         b, t = input_ids.shape
-        layout, starts = self.context(position_ids, b, t, input_ids.device)
+        context = self.context(position_ids, b, t, input_ids.device)
         h = self.embed_tokens(input_ids)
         aux, loads = None, []
         for block in self.layers:
-            h, block_aux, load = self.run_block(block, h, layout, starts)
+            h, block_aux, load = self.run_block(block, h, *context)
             if block_aux is not None:
                 aux = block_aux if aux is None else aux + block_aux
                 loads.append(load)
         main_loads = torch.stack(loads) if loads else None
-        return self.finish(h, None, (layout, starts), position_ids, labels, aux, main_loads, return_logits,
+        return self.finish(h, None, *context, position_ids, labels, aux, main_loads, return_logits,
                            token_losses)  # fmt: skip
 
     def finish(
         self,
         h: torch.Tensor,
         ahead: Any,  # no MTP: unused (the pipeline's signature)
-        context: Any,
+        starts: torch.Tensor | None,  # the context (pipeline_context), unused here
+        layout: AttentionLayout,
         position_ids: torch.Tensor | None,
         labels: torch.Tensor | None,
         aux: torch.Tensor | None,

@@ -22,7 +22,6 @@ def test_the_registry_finds_the_family() -> None:
     "flags, words",
     [
         (["--sp", "2"], "sequence parallelism"),
-        (["--pp", "2"], "pipeline parallelism"),
     ],
 )
 def test_what_is_not_built_is_refused_in_one_line(flags: list[str], words: str) -> None:
