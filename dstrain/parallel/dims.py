@@ -115,8 +115,9 @@ class ParallelDims:
             if self.pp > 1 or self.tp > 1:
                 raise ValueError(f"--sp {self.sp} with --pp/--tp: sequence parallelism combines with data "
                                  "and expert parallelism only")  # fmt: skip
-            if family.splits_heads and cfg.num_attention_heads % self.sp:
-                raise ValueError(f"--sp {self.sp} must divide num_attention_heads {cfg.num_attention_heads}")
+            for name, heads in family.head_counts(cfg).items() if family.splits_heads else ():
+                if heads % self.sp:
+                    raise ValueError(f"--sp {self.sp} must divide {name} {heads}")
         if self.tp > 1 and zero_stage == 3:
             raise ValueError(f"--tp {self.tp} with ZeRO-3: tensor parallelism supports ZeRO stage 1-2")
         if self.model_parallel and zero_stage == 0:

@@ -88,6 +88,7 @@ LAYOUTS = {  # name -> flags
     "kimi_ep2": "--config zero2 --ep 2",
     "kimi_tp2": "--config zero1 --tp 2",
     "kimi_pp2": "--config zero1 --pp 2",
+    "kimi_sp2": "--config zero2 --sp 2",
     "kimi_tp2_lora": f"--config zero1 --tp 2 {KIMI_LORA}",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors

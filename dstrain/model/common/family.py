@@ -66,7 +66,11 @@ class Family:
     """Whether serving engines load its LoRA adapters (the per-expert serving folder `--adapter_only` writes);
     else the folder is written in the form peft loads onto transformers' model (checkpoint/lora.py)."""
     splits_heads: bool = True
-    """Sequence parallelism splits the attention heads over the ranks (they must divide the head count)."""
+    """Sequence parallelism splits the attention heads over the ranks (they must divide the head counts)."""
+    head_counts: Callable[[Any], dict[str, int]] = field(
+        default=lambda cfg: {"num_attention_heads": cfg.num_attention_heads}
+    )
+    """(cfg) -> the head counts of its attention kinds, by name: what sequence parallelism splits."""
     tp_sizes: Callable[[Any], dict[str, int]] = heads_and_mlp_sizes
     """(cfg) -> the sizes tensor parallelism splits, by name: --tp must divide each."""
     release_quantization: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

@@ -17,6 +17,8 @@ head (about C times q's size), the safe form in fp32 (no exp of a positive expon
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -207,6 +209,8 @@ class KDA(nn.Module):
     `lower_bound` L, g = L * sigmoid(exp(A_log) * x) (GLM-5.3-Flash: g within (L, 0)). `a_log_shape`: A_log as
     the checkpoint holds it ((1, 1, H, 1) in Kimi's, (H,) in GLM's)."""
 
+    seq_parallel: Any = None  # sequence parallelism (dstrain.parallel.sp): heads over whole rows
+
     def __init__(
         self,
         hidden_size: int,
@@ -252,22 +256,28 @@ class KDA(nn.Module):
     def forward(
         self, x: torch.Tensor, starts: torch.Tensor | None = None, recurrent: bool = False
     ) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D); `starts` (B, T) bool: where a packed document starts (`document_starts`);
-        `recurrent`: the token-by-token reference instead of the chunked form."""
+        """x (B, T, D) -> (B, T, D); `starts` (B, T) bool: where a packed document starts (`document_starts`;
+        the whole rows' under sequence parallelism); `recurrent`: the token-by-token reference instead of the
+        chunked form."""
         b, t, _ = x.shape
         heads = (b, t, self.num_heads, self.head_dim)
-        q = self.q_conv1d(self.q_proj(x), starts).view(heads).float()
-        k = self.k_conv1d(self.k_proj(x), starts).view(heads).float()
-        v = self.v_conv1d(self.v_proj(x), starts).view(heads).float()
+        sp = self.seq_parallel
+        qkv = [proj(x).view(heads) for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x)).float()
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        if sp is not None:  # the convolutions and the state run along whole rows: a slice of the heads each
+            qkv, g = [sp.to_heads(z) for z in qkv], sp.to_heads(g)
+            beta = sp.to_heads(beta.unsqueeze(-1)).squeeze(-1)
+            convs = tuple(w.chunk(sp.size)[sp.rank] for w in convs)  # the channels of this rank's heads
+        q, k, v = (short_conv(z.flatten(2), w, starts).view(z.shape).float() for z, w in zip(qkv, convs))
         q, k = l2norm(q) * self.head_dim**-0.5, l2norm(k)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x)).float()
         if recurrent:
             o = kda_recurrent(q, k, v, g, beta, starts)
         else:
             o = kda_chunked(q, k, v, g, beta, starts, self.chunk)
+        o = o.to(x.dtype) if sp is None else sp.to_tokens(o.to(x.dtype))
         gate = self.g_b_proj(self.g_a_proj(x)).view(heads)
-        return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1))
+        return self.o_proj(self.o_norm(o, gate).reshape(b, t, -1))
 
 
 class ShortConv(nn.Module):

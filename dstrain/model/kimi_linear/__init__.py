@@ -12,10 +12,6 @@ from .model import KimiLinearLM
 from .presets import PRESETS
 from .state_dict import keeps_fp32, open_folder, to_hf, write_config
 
-_NOT_YET = (
-    "for Kimi Linear yet; it trains on one process, data, tensor, expert or pipeline parallel with ZeRO"
-)
-
 
 def tp_sizes(cfg: KimiLinearConfig) -> dict[str, int]:
     """MLA's heads and the MLPs as V3's, and KDA's heads (a rank keeps whole heads of both kinds)."""
@@ -36,11 +32,14 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
     tp_sizes=tp_sizes,
+    head_counts=lambda cfg: {
+        "num_attention_heads": cfg.num_attention_heads,
+        "linear_num_heads": cfg.linear_num_heads,
+    },
     # KDA's q, k, v projections and MLA's (q_proj: no query compression) key/value up-projection, both
     # layers' output, the shared experts
     lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
     unsupported={
-        "sp": f"sequence parallelism (KDA's state over whole rows after the all-to-all) is not built {_NOT_YET}",
         "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
         "activations); its parameters are `dstrain.model.param_counts`",

@@ -59,7 +59,9 @@ class KimiLinearLM(nn.Module):
     """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), update_expert_bias(),
     set_activation_checkpointing(), run_block() / finish()."""
 
-    seq_parallel: Any = None  # not built for this family (Family.unsupported)
+    # Sequence parallelism (dstrain.parallel.sp): this rank holds a slice of every row (plus the targets' halo);
+    # MLA and KDA trade it for a slice of the heads over whole rows (attention.py, common/kda.py)
+    seq_parallel: Any = None
     indexer_figures_per_slice = False
 
     def __init__(self, cfg: KimiLinearConfig) -> None:
@@ -119,9 +121,16 @@ class KimiLinearLM(nn.Module):
     def context(
         self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device
     ) -> tuple[torch.Tensor | None, AttentionLayout]:
-        layout = attention_layout(position_ids, b, t, device)
+        """Position ids of this forward's `t` tokens -> (document starts, attention layout), both over whole
+        rows (the sequence-parallel group's slices gathered); the layout's `real` this forward's tokens."""
+        sp = self.seq_parallel
+        whole = position_ids
+        if sp is not None:
+            pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
+            whole = sp.gather(pos)
+        layout = attention_layout(whole, b, t * (sp.size if sp else 1), device)
         layout.real = real_tokens(position_ids)
-        starts = None if layout.causal_only else document_starts(position_ids)
+        starts = None if layout.causal_only else document_starts(whole)
         return starts, layout
 
     def run_block(self, block: Block, h: torch.Tensor, starts: torch.Tensor | None, layout: AttentionLayout):  # noqa: ANN201
@@ -141,8 +150,14 @@ class KimiLinearLM(nn.Module):
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document (-1: padding); labels
         (B, T) unshifted, -100 not a target; `token_losses`: each position's cross-entropy too (DPO)."""
         b, t = input_ids.shape
-        context = self.context(position_ids, b, t, input_ids.device)
-        h = self.embed_tokens(input_ids)
+        local_pos = position_ids
+        if self.seq_parallel is not None:
+            t -= self.halo  # this rank's tokens; the halo only feeds its last positions' targets
+            local_pos = position_ids[:, :t] if position_ids is not None else None
+            if position_ids is None:
+                position_ids = torch.arange(t + self.halo, device=input_ids.device).expand(b, -1)
+        context = self.context(local_pos, b, t, input_ids.device)
+        h = self.embed_tokens(input_ids[:, :t])
         aux, loads = None, []
         for block in self.layers:
             h, block_aux, load = self.run_block(block, h, *context)

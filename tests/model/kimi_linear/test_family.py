@@ -1,5 +1,5 @@
 """The Kimi Linear family as the rest of dstrain reaches it: the registry finds it by model_type and config
-class, and what it does not do yet is refused in one line before anything is built."""
+class, and layout sizes it cannot split are refused in one line before anything is built."""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ def test_the_registry_finds_the_family() -> None:
     assert family_of(get_config("tiny-kimi-linear")) is FAMILY
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (["--sp", "2"], "sequence parallelism"),
-    ],
-)
-def test_what_is_not_built_is_refused_in_one_line(flags: list[str], words: str) -> None:
-    with pytest.raises(ConfigError, match=f"{flags[0]} {flags[1]}: .*{words}") as err:
-        prepare(make_options(["--model", "tiny-kimi-linear", *flags]), 2)
-    assert "\n" not in str(err.value)
+def test_layout_sizes_name_the_attention_kind_they_split() -> None:
+    """Sequence and tensor parallelism split MLA's and KDA's heads: a size that does not divide KDA's is
+    refused naming it, in one line."""
+    cfg = get_config("tiny-kimi-linear")
+    heads = cfg.linear_num_heads
+    for flag in ("--sp", "--tp"):
+        odd = get_config("tiny-kimi-linear").replace(linear_num_heads=heads + 1)
+        with pytest.raises(ConfigError, match=f"^{flag} 2 must divide linear_num_heads {heads + 1}$"):
+            prepare(make_options(["--model", "tiny-kimi-linear", flag, "2"]), 2, model=odd)
