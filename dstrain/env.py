@@ -86,6 +86,7 @@ def report() -> tuple[list[str], str | None]:
         paths = kernel_paths(cfg, device, dtype)
         lines.append(f"kernels, {name} on {device.type}: " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
         lines.append(f"  sparse attention (V3.2, GLM-5), {name}: {dsa_kernel_path(device, dtype)}")
+    lines.append(f"linear attention (Kimi Linear): {get_config('tiny-kimi-linear').attention_kernel}")
     lines.append(f"DeepSpeed ops: {_deepspeed_ops()}")
     from dstrain.training.metrics import device_peak_tflops
 

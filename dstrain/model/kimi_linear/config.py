@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.config import TRAINING_FIELDS, config_from_folder
+from ..common.kda import CHUNK
 
 MODEL_TYPE = "kimi_linear"
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -176,7 +177,10 @@ class KimiLinearConfig:
     @property
     def attention_kernel(self) -> str:
         """What runs the attention layers (dstrain env, a run's first lines)."""
-        return "KDA: chunked delta rule in torch (fp32 state); MLA: dstrain's attention kernels"
+        return (
+            f"KDA: chunked delta rule in torch ({CHUNK}-token chunks, fp32 state; flash-linear-attention's "
+            "kernels not used); MLA: dstrain's attention kernels"
+        )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.mlp_layer_types[layer_idx] == SPARSE
