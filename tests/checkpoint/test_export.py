@@ -364,6 +364,29 @@ def test_deepseek_v4_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys
         assert diff <= 1e-5 and line.endswith(": ok"), line
 
 
+def test_kimi_linear_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys):
+    """Kimi Linear: `--adapter_only` writes the PEFT form transformers' KimiLinearForCausalLM loads (dstrain's
+    names under `model.`, KDA's forget-gate projections under `forget_gate`, routed experts one key per expert),
+    adapters on KDA's projections and gates, MLA's, the shared and the routed experts; `--verify` gives peft's
+    logits on transformers those of the checkpoint."""
+    from tests.model.kimi_linear.conftest import kimi_model
+
+    base = tmp_path / "base"
+    kimi_model().save_pretrained(base)
+    ours = from_pretrained(base, dtype=torch.float32).eval()
+    ours.config.bias_update_speed = 0.0  # as a LoRA run keeps it: the routers stay the base's
+    targets = "q_proj,k_proj,v_proj,f_a_proj,f_b_proj,b_proj,g_b_proj,kv_b_proj,o_proj,shared_experts,experts"
+    opts = make_options(["--lora_r", "4", "--lora_targets", targets, "--no-train_router"])
+    apply_finetune_options(ours, opts.lora, opts.run.seed)
+    randomize_adapters(ours)
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", ours, base)
+    argv = ["export", str(ckpt), "--out", str(tmp_path / "a"), "--adapter_only", "--dtype", "float32"]
+    assert dstrain_main([*argv, "--verify"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    diff = float(re.search(r"verify: max \|logits diff\| (\S+) \(tolerance", line)[1])
+    assert diff <= 1e-5 and line.endswith(": ok"), line
+
+
 # ------------------------------------------------------------------ the source's quantized form
 def v3_fp8_folder(path):
     """A DeepSeek-V3-style FP8 folder: the official layout (MTP layer), every projection e4m3 with an fp32

@@ -21,6 +21,13 @@ def heads_and_mlp_sizes(cfg: Any) -> dict[str, int]:
     return sizes
 
 
+def fused_expert_peft_keys(module: str, leaf: str, n_experts: int) -> list[str]:
+    """transformers' fused routed experts (`<module>.gate_up_proj` / `.down_proj`, module ending `.experts`) as
+    PEFT adapter folders name them: one key per expert and projection, under `model.`."""
+    projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+    return [f"model.{module}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
+
+
 @dataclass(frozen=True)
 class Family:
     name: str

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..common.family import fused_expert_peft_keys
 from ..common.layers import is_hash_table, may_start_fresh
 from ..hf import DEFAULT_SHARD_BYTES, HFReader, Target, checkpoint_files, save_hf_tensors, split_experts
 from .config import V4Config
@@ -340,6 +341,5 @@ def peft_keys(key: str, cfg: V4Config) -> list[str]:
             "every group's input, not B A to each group's block); drop o_a_proj from --lora_targets or export merged"
         )
     if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
-        projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-        return [f"model.{module}.{e}.{p}.weight" for e in range(cfg.n_routed_experts) for p in projs]
+        return fused_expert_peft_keys(module, leaf, cfg.n_routed_experts)
     return [f"model.{key}"]

@@ -10,7 +10,7 @@ from . import flops
 from .config import KimiLinearConfig
 from .model import KimiLinearLM
 from .presets import PRESETS
-from .state_dict import keeps_fp32, open_folder, to_hf, write_config
+from .state_dict import keeps_fp32, open_folder, peft_keys, to_hf, write_config
 
 
 def tp_sizes(cfg: KimiLinearConfig) -> dict[str, int]:
@@ -32,6 +32,8 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
     tp_sizes=tp_sizes,
+    peft_keys=peft_keys,
+    serving_adapters=False,  # no serving engine defines Kimi Linear LoRA yet: the form peft loads
     head_counts=lambda cfg: {
         "num_attention_heads": cfg.num_attention_heads,
         "linear_num_heads": cfg.linear_num_heads,
@@ -40,7 +42,6 @@ FAMILY = Family(
     # layers' output, the shared experts
     lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
     unsupported={
-        "adapter_only": "Kimi Linear adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
         "activations); its parameters are `dstrain.model.param_counts`",
     },
