@@ -92,8 +92,9 @@ def steady_peak(phases: dict) -> int:
     return max(phases["setup"].peak_bytes, phases["step 2"].start_bytes + last.peak_bytes - last.start_bytes)
 
 
-def measure(info, names: list[str]) -> dict:  # noqa: ANN001 - a dstrain.dist.DistInfo
-    """This rank's measured and predicted peak (bytes) and the estimate's peak phase, for each layout."""
+def measure(info, names: list[str], cfg=None, layouts: dict[str, str] | None = None) -> dict:  # noqa: ANN001 - a dstrain.dist.DistInfo, a model config
+    """This rank's measured and predicted peak (bytes) and the estimate's peak phase, for each layout (of
+    `layouts`, LAYOUTS by default) of the model `cfg` (`model_config()` by default)."""
     import gc
 
     import torch
@@ -104,7 +105,8 @@ def measure(info, names: list[str]) -> dict:  # noqa: ANN001 - a dstrain.dist.Di
     from dstrain.memory.measure import AllocationTracker
     from dstrain.training.trainer import Trainer
 
-    cfg = model_config()
+    cfg = cfg or model_config()
+    layouts = layouts or LAYOUTS
 
     class Rows:
         def __init__(self) -> None:
@@ -117,7 +119,7 @@ def measure(info, names: list[str]) -> dict:  # noqa: ANN001 - a dstrain.dist.Di
     results = {}
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
-            plan = prepare(options(LAYOUTS[name], tmp), info.world_size, model=cfg).with_output_dir(tmp)
+            plan = prepare(options(layouts[name], tmp), info.world_size, model=cfg).with_output_dir(tmp)
             with AllocationTracker() as tracker:
                 with tracker.phase("setup"):
                     trainer = Trainer(plan, info, loader=Rows(), verbose=False)

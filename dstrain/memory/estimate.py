@@ -1,5 +1,8 @@
 """Predicted peak memory per rank of a training run, from its resolved plan alone (nothing is allocated).
 
+The layers are the DeepSeek-V3 family's (`_Shapes`) or, where a family registers its own in `SHAPES`, its own
+(DeepSeek-V4: v4.py); everything below them (ZeRO, the pipeline, the phases) is shared.
+
 What is predicted is the peak of live tensor bytes on one rank's device — `torch.cuda.max_memory_allocated`
 on a GPU, `measure.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
 context, NCCL and allocator fragmentation (`CUDA_RESERVE`). Each term comes from what the code holds:
@@ -72,7 +75,8 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 CUDA_RESERVE = 2 * GIB
 """Per GPU beyond live tensors: the CUDA context and kernels (~0.5-1 GiB), NCCL's buffers, fragmentation."""
-CHECKPOINTING = ("none", "mlp", "attention", "full")
+CHECKPOINTING = ("none", "mhc", "mlp", "attention", "full")
+"""Every family's --activation_checkpointing modes (Family.checkpointing), least recomputation first."""
 
 PARAMS, STATES, GRADS = "parameters", "optimizer states (fp32 master + moments)", "gradients"
 ACTS, WORK, BUCKETS = "activations", "working memory", "communication buckets"
@@ -224,7 +228,11 @@ class _Shapes:
         self.a = 4 if w.precision == "fp32" else 2  # bytes of a parameter and an activation
         self.heads = self.cfg.num_attention_heads // self.tp
         self.cpu = w.device == "cpu"
-        self._blocks: dict[tuple[bool, bool], Layer] = {}
+        self._blocks: dict[Any, Layer] = {}
+
+    def boundary_width(self) -> int:
+        """Elements per token of the hidden state a pipeline stage sends."""
+        return self.cfg.hidden_size
 
     # parameters ------------------------------------------------------------------------------------------
     def attention_tensors(self) -> list[int]:
@@ -459,9 +467,22 @@ class _Shapes:
         layer.dequant = (layer.forward - plain[0], layer.backward - plain[1])
 
 
+SHAPES: dict[str, type[_Shapes]] = {}
+"""Family name -> the sizes of its layers where they are not the DeepSeek-V3 family's (`_Shapes`): v4.py
+registers DeepSeek-V4's, imported with the package (a family the estimate does not model refuses
+`memory_estimate` in its Family record)."""
+
+
+def shapes_of(w: Workload) -> _Shapes:
+    """The sizes of the workload's model, by its family."""
+    from dstrain.model import family_of
+
+    return SHAPES.get(family_of(w.model).name, _Shapes)(w)
+
+
 def rank_layers(w: Workload) -> list[list[Layer]]:
     """The layers of each pipeline stage, as DeepSpeed partitions [embedding, blocks..., head + MTP]."""
-    shapes, cfg = _Shapes(w), w.model
+    shapes, cfg = shapes_of(w), w.model
     tail = [shapes.head(), shapes.loss("loss")]
     for k in range(1, cfg.num_nextn_predict_layers + 1):
         tail += [shapes.mtp(k), shapes.loss(f"MTP {k} loss")]
@@ -576,7 +597,8 @@ class _Stage:
         if d.pp == 1:
             return 0.0
         inflight = min(w.grad_accum, d.pp - self.index)
-        sh, width = _Shapes(w), w.model.hidden_size * self.a
+        sh = shapes_of(w)
+        width = sh.boundary_width() * self.a
         ext = sh.b * (sh.t + w.model.num_nextn_predict_layers) * width
         return (inflight - 1) * sum(x.saved for x in self.layers) + inflight * (2 * sh.n * width + ext)
 

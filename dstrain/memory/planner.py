@@ -147,8 +147,9 @@ def layouts_that_fit(w: Workload, world: int, capacity: int, offload: bool = Fal
     rows = w.micro_batch * w.grad_accum * w.dims.data
     micros = [m for m in range(w.micro_batch, 0, -1) if w.micro_batch % m == 0]
     found = []
+    modes = [m for m in CHECKPOINTING if m in family_of(w.model).checkpointing]
     for stage, dims, zero in layouts(w, world, offload):
-        for mode, micro in itertools.product(CHECKPOINTING, micros):
+        for mode, micro in itertools.product(modes, micros):
             if rows % (micro * dims.data):
                 continue
             cand = w.replace(dims=dims, stage=stage, zero=zero, checkpointing=mode, micro_batch=micro,

@@ -2,9 +2,9 @@
 model's frozen weights a release keeps quantized, in which form, from its config.json's quantization keys
 (a folder's own; a preset's release's: `Family.release_quantization`), and the bytes each form takes.
 
-The estimate (estimate.py) models the DeepSeek-V3 family's layers by kind; `KINDS` names one dstrain weight of
-each kind, whose Hugging Face module name (the family's key table) the quantization_config's rules are
-matched against. The routers, the embedding, the head, the norms and the indexer's head weights are never
+The estimate (estimate.py, v4.py) models a block's layers by kind; `KINDS` (`FAMILY_KINDS` for DeepSeek-V4) names
+one dstrain weight of each kind, whose Hugging Face module name (the family's key table) the
+quantization_config's rules are matched against. The routers, the embedding, the head, the norms and the indexer's head weights are never
 quantized by the releases.
 """
 
@@ -61,7 +61,8 @@ def packed(bits: int, group: int | None) -> Form:
     return Form(f"INT{bits} g{group or 'channel'}, bf16 scales", bits, (1, group or 2**31), 2, 4, 8)
 
 
-# The estimate's weight kinds -> a dstrain weight of that kind ({moe}: the first MoE block's index).
+# The estimate's weight kinds -> a dstrain weight of that kind ({moe}: the first MoE block's index; {csa}:
+# the first CSA block's), per family (estimate.SHAPES's families; the DeepSeek-V3 family's by default).
 KINDS = {
     "attention": "layers.{moe}.self_attn.o_proj.weight",
     "indexer": "layers.{moe}.self_attn.indexer.wq_b.weight",
@@ -69,6 +70,15 @@ KINDS = {
     "shared": "layers.{moe}.mlp.shared_experts.gate_proj.weight",
     "experts": "layers.{moe}.mlp.experts.gate_up_proj",
     "mtp": "mtp.0.eh_proj.weight",
+}
+FAMILY_KINDS = {
+    "deepseek_v4": {
+        "attention": "layers.{moe}.self_attn.o_b_proj.weight",  # every attention linear (compressors too)
+        "indexer": "layers.{csa}.self_attn.compressor.indexer.q_b_proj.weight",
+        "shared": "layers.{moe}.mlp.shared_experts.gate_proj.weight",
+        "experts": "layers.{moe}.mlp.experts.gate_up_proj",
+        "mtp": "mtp.0.e_proj.weight",
+    },
 }
 
 
@@ -88,13 +98,20 @@ class StoredBase:
     ) -> tuple[list[tuple[int, int]], int]:
         """A block's weights held stored on a rank: ((elements, bytes) of each stored linear, bytes of its
         routed experts)."""
+        return self.linears(cfg, block_matrices(cfg, tp, moe, indexer), ep if moe else 0)
+
+    def linears(
+        self, cfg: Any, matrices: list[tuple[str, int, int]], ep: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        """`block` of a block's (kind, rows, columns) linears, and its routed experts on a rank of
+        expert-parallel size `ep` (0: none)."""
         stored = []
-        for kind, rows, cols in block_matrices(cfg, tp, moe, indexer):
+        for kind, rows, cols in matrices:
             form = self.of(kind)
             if form is not None:
                 stored.append((rows * cols, form.nbytes(rows, cols)))
         form = self.of("experts")
-        if not (moe and form is not None):
+        if not (ep and form is not None):
             return stored, 0
         d, inter = cfg.hidden_size, cfg.moe_intermediate_size
         return stored, (cfg.n_routed_experts // ep) * (2 * form.nbytes(inter, d) + form.nbytes(d, inter))
@@ -199,17 +216,20 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _module_names(cfg: Any, family: Any) -> dict[str, str]:
     """The Hugging Face module name of each kind's weight (the family's key table, on shapes alone)."""
-    moe = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)), 0)
+    is_moe = getattr(cfg, "is_moe_layer", lambda i: True)  # a DeepSeek-V4 layer is always MoE
+    moe = next((i for i in range(cfg.num_hidden_layers) if is_moe(i)), 0)
     has = {
         "indexer": cfg.sparse_attention,
-        "mlp": not cfg.is_moe_layer(0),
+        "mlp": not is_moe(0),
         "mtp": cfg.num_nextn_predict_layers,
     }
     out = {}
-    for kind, template in KINDS.items():
+    types = getattr(cfg, "layer_types", None) or []
+    csa = next((i for i, t in enumerate(types) if t == "compressed_sparse_attention"), moe)
+    for kind, template in FAMILY_KINDS.get(family.name, KINDS).items():
         if not has.get(kind, True):
             continue
-        key = template.format(moe=moe)
+        key = template.format(moe=moe, csa=csa)
         shape = (cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
         t = torch.empty(shape if kind == "experts" else (1, 1), device="meta")
         try:

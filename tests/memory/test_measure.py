@@ -2,7 +2,7 @@
 peak measured on this machine: launch/bench_plan.py's measurement on 2 ranks (in the test session's pool,
 tests/memory/worker.py) trains every layout there (ZeRO-1/2/3, PP2, TP2, EP2, with and without activation
 checkpointing, fp32 and bf16) under the allocation tracker; every rank's prediction is within 15% of its
-measured peak."""
+measured peak; DeepSeek-V4 likewise on one rank (tests/memory/worker.py V4_LAYOUTS)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,19 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_one(rank_pools):
         for name in res
     }
     assert max(abs(e) for e in errors.values()) <= 0.15, table(per_rank)
+
+
+@pytest.mark.multirank
+def test_deepseek_v4_predicted_peak_is_within_15_percent_of_the_measured_one(rank_pools):
+    """DeepSeek-V4 (tests/memory/worker.py's v4_config: mHC streams, CSA with its learning indexer, HCA, a
+    sliding layer, hash and biased MoE, MTP) on one rank, measured as bench_plan measures, without and with
+    full checkpointing."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from bench_plan import table
+
+    from tests.memory.worker import V4_LAYOUTS
+
+    per_rank = rank_pools.run(1, "tests.memory.worker:measured_v4", list(V4_LAYOUTS), timeout=300)
+    errors = {name: r["predicted"] / r["measured"] - 1 for name, r in per_rank[0].items()}
+    print(table(per_rank))
+    assert set(errors) == set(V4_LAYOUTS) and max(abs(e) for e in errors.values()) <= 0.15, table(per_rank)

@@ -15,3 +15,30 @@ def measured(info, names: list[str]) -> dict:  # noqa: ANN001
     from bench_plan import measure
 
     return measure(info, names)
+
+
+V4_LAYOUTS = {  # name -> flags (1 rank): no checkpointing in fp32, full in bf16 ('mhc': test_v4_estimate.py)
+    "V4 ZeRO-1": "--config zero1",
+    "V4 ZeRO-2 bf16 full": "--config zero2 --precision bf16 --activation_checkpointing full",
+}
+
+
+def v4_config():  # noqa: ANN201 - a dstrain V4Config
+    """tests/helpers/tiny.py's DeepSeek-V4 scaled up (hidden 256, 4 streams, 4 heads of 64 dims) so that its
+    activations, not the allocator's rounding, make the peak: at bench_plan's 2 x 256 tokens a CSA layer has 64
+    entries (top-k 16) behind a hash layer, an HCA layer 32, a sliding one a window of 64 over 4 blocks of rows."""
+    from tests.helpers.tiny import tiny_v4_config
+
+    return tiny_v4_config(
+        vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_attention_heads=4, head_dim=64,
+        q_lora_rank=64, qk_rope_head_dim=16, n_routed_experts=8, hc_mult=4, sliding_window=64, o_lora_rank=32,
+        index_n_heads=8, index_head_dim=32, index_topk=16,
+    )  # fmt: skip
+
+
+def measured_v4(info, names: list[str]) -> dict:  # noqa: ANN001
+    """bench_plan.measure of the V4 model's layouts on this rank."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from bench_plan import measure
+
+    return measure(info, names, v4_config(), V4_LAYOUTS)
