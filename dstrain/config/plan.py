@@ -187,6 +187,8 @@ def prepare(
     quantized = folder is not None and folder_is_quantized(folder, cfg)  # the files' headers, read once
     stored, why = _base_precision(opts, folder, quantized, cfg, dims)
     qat, qat_why = _qat(opts, quantized and has_weights(folder), dims)  # a config.json alone trains nothing
+    if (stored or qat) and dims.tp > 1 and has_weights(folder):
+        _check_tp_blocks(opts, folder, cfg, dims, stored, qat)
     return RunPlan(
         opts, cfg, ds, dims, stage, precision, offload, device_type, folder, notes + why + qat_why, None,
         lr_origin, trains, stored, qat,
@@ -204,11 +206,6 @@ def _qat(opts: Options, quantized: bool, dims: ParallelDims) -> tuple[bool, tupl
                 f"--qat on: needs a --model folder with quantized weights; {opts.model.model} has none"
             )
         return False, ()
-    for size, flag in ((dims.tp, "--tp"), (dims.ep, "--ep")):
-        if size > 1:
-            if asked == "on":
-                raise ConfigError(f"--qat on with {flag} {size}: not built yet; --qat off")
-            return False, (f"QAT off: not built with {flag} {size} yet (the export rounds what trained)",)
     return True, (
         f"QAT on (--qat {asked}): the weights the export quantizes train as it quantizes them, gradients straight "
         "through, so the exported model computes what trained (--qat off for a bf16 export)",
@@ -229,8 +226,6 @@ def _base_precision(
     if asked == "stored" and opts.lora.lora_r == 0:
         raise ConfigError("--base_precision stored: a full fine-tune trains every weight; add --lora_r")
     stored = quantized and opts.lora.lora_r > 0 and asked != "bf16"
-    if stored and dims.tp > 1 and has_weights(folder):
-        _check_stored_tp(opts, folder, cfg, dims)
     if not quantized:
         return False, ()
     if stored:
@@ -241,23 +236,29 @@ def _base_precision(
     return False, ("frozen base: the folder's quantized weights dequantized into the run's precision",)
 
 
-def _check_stored_tp(opts: Options, folder: str, cfg: Any, dims: ParallelDims) -> None:
-    """The tensor-parallel split of every stored weight takes whole blocks of its parts (FP8's 128 x 128
-    scales, INT4's groups): tried on a meta-device model, before anything is allocated."""
+def _check_tp_blocks(
+    opts: Options, folder: str, cfg: Any, dims: ParallelDims, stored: bool, qat: bool
+) -> None:
+    """The tensor-parallel split of every stored weight (and of every quantizer's scales under QAT) takes whole
+    blocks (FP8's 128 x 128 scales, INT4's groups): tried on a meta-device model, before anything is allocated."""
     from dstrain.model.build import finetune_on_meta
-    from dstrain.model.quantized import store_base
+    from dstrain.model.quantized import apply_qat, store_base
     from dstrain.model.sources import open_folder
     from dstrain.parallel.dims import Groups
     from dstrain.parallel.tp import apply_tensor_parallel
 
     model, _ = finetune_on_meta(cfg, opts.lora, opts.model.dsa_stage)
     with open_folder(folder, cfg) as reader:
-        store_base(model, reader)
+        if stored:
+            store_base(model, reader)
+        if qat:
+            apply_qat(model, reader)
     try:
         apply_tensor_parallel(model, Groups(dims, 0, 0, 0, 0, 0, 0))
     except ValueError as exc:
+        held = " and ".join(f for f, on in (("--base_precision stored", stored), ("QAT", qat)) if on)
         raise ConfigError(
-            f"--tp {dims.tp} with --base_precision stored: {exc}; --base_precision bf16 splits it"
+            f"--tp {dims.tp} with {held}: {exc}; --base_precision bf16 --qat off splits it"
         ) from None
 
 

@@ -11,13 +11,15 @@ is one in type only (its own forward, no DeepSpeed gate or dispatcher).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
 
 from dstrain.model.common.experts import Adapters, combine, group_by_expert, grouped_swiglu
 from dstrain.model.common.layers import Experts
-from dstrain.model.common.lora import EXPERT_ADAPTERS, LoRAExperts
+from dstrain.model.common.lora import EXPERT_ADAPTERS, LoRAExperts, qat_expert_weights
 from dstrain.model.common.stored import StoredExperts
 
 from .comm import all_to_all, exchange_counts
@@ -48,6 +50,11 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         if isinstance(experts.gate_up_proj, StoredExperts):  # a stored base: this rank's experts' codes only
             self.gate_up_proj = experts.gate_up_proj.local(self.first, self.num_local_experts)
             self.down_proj, base = None, ()
+        qat = experts._modules.get("qat")  # QAT: the quantizers of this rank's experts
+        if qat is not None:
+            self.qat = nn.ModuleDict(
+                {k: q.experts(self.first, self.num_local_experts) for k, q in qat.items()}
+            )
         for name in (*base, *(EXPERT_ADAPTERS if self.lora else ())):
             full = getattr(experts, name)
             local = full.detach()[self.first : self.first + self.num_local_experts].clone()
@@ -76,19 +83,19 @@ class ExpertParallelExperts(_DeepSpeedMoE):
         expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten(), output_size=sum(recv))
         by_expert = expert_of_row.argsort(stable=True)
         offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
-        adapters = Adapters(*(getattr(self, n) for n in EXPERT_ADAPTERS)) if self.lora else None
-        ys = grouped_swiglu(
-            xs[by_expert],
-            offs,
-            self.gate_up_proj,
-            self.down_proj,
-            adapters,
-            self.scale if self.lora else 0.0,
-            self.limit,
-        )
+        ys = grouped_swiglu(xs[by_expert], offs, *self._weights(x.dtype), self.limit)
         ys = torch.empty_like(ys).index_copy(0, by_expert, ys)
         ys = all_to_all(ys, recv, send, self.ep_group)
         return combine(ys, order, weights)
+
+    def _weights(self, dtype: torch.dtype) -> tuple[Any, Any, Adapters | None, float]:
+        """(gate_up, down, adapters, scale) for grouped_swiglu: under QAT the merged weights fake-quantized."""
+        qat = self._modules.get("qat")
+        if qat is not None:
+            gate_up, down = qat_expert_weights(self, qat, self.scale if self.lora else None)
+            return gate_up.to(dtype), down.to(dtype), None, 0.0
+        adapters = Adapters(*(getattr(self, n) for n in EXPERT_ADAPTERS)) if self.lora else None
+        return self.gate_up_proj, self.down_proj, adapters, self.scale if self.lora else 0.0
 
 
 def apply_expert_parallel(model: nn.Module, g: Groups) -> None:

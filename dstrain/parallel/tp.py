@@ -30,7 +30,7 @@ from torch import nn
 from dstrain.model.common.kda import KDA, GatedRMSNorm, gated_rms_norm
 from dstrain.model.common.kernels import Linear, linear
 from dstrain.model.common.layers import MLP
-from dstrain.model.common.lora import LoRALinear
+from dstrain.model.common.lora import LoRALinear, merged_weight
 from dstrain.model.common.mla import LatentProjections
 from dstrain.model.common.stored import StoredWeight, dense_weight
 from dstrain.model.deepseek_v4.attention import V4Attention
@@ -45,7 +45,7 @@ class ColumnParallelLinear(Linear):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        return linear(copy_to_group(x, self.tp_group), _weight(self, x.dtype), self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -54,7 +54,7 @@ class RowParallelLinear(Linear):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_group(linear(x, self.weight), self.tp_group)
+        out = reduce_from_group(linear(x, _weight(self, x.dtype)), self.tp_group)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -66,13 +66,15 @@ class RopeKeySyncLinear(Linear):
     rope_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sync_grad_tail(linear(x, self.weight, self.bias), self.rope_dim, self.tp_group)
+        return sync_grad_tail(linear(x, _weight(self, x.dtype), self.bias), self.rope_dim, self.tp_group)
 
 
 class ColumnParallelLoRA(LoRALinear):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "qat" in self._modules:  # A is whole on every rank: its gradient sums their rows'
+            return linear(copy_to_group(x, self.tp_group), _weight(self, x.dtype, whole="A"), self.bias)
         base = linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
         return base + linear(copy_to_group(linear(x, self.lora_A), self.tp_group), self.lora_B) * self.scale
 
@@ -97,9 +99,12 @@ class RowParallelLoRA(LoRALinear):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_group(linear(x, self.weight), self.tp_group)
-        xa = reduce_from_group(linear(x, self.lora_A), self.tp_group)
-        out = out + linear(xa, self.lora_B) * self.scale
+        if "qat" in self._modules:  # B is whole on every rank: its gradient sums their columns'
+            out = reduce_from_group(linear(x, _weight(self, x.dtype, whole="B")), self.tp_group)
+        else:
+            out = reduce_from_group(linear(x, self.weight), self.tp_group)
+            xa = reduce_from_group(linear(x, self.lora_A), self.tp_group)
+            out = out + linear(xa, self.lora_B) * self.scale
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -108,8 +113,26 @@ class RopeKeySyncLoRA(LoRALinear):
     rope_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias) + self.delta(x)
+        if "qat" in self._modules:
+            out = linear(x, _weight(self, x.dtype), self.bias)
+        else:
+            out = linear(x, self.weight, self.bias) + self.delta(x)
         return sync_grad_tail(out, self.rope_dim, self.tp_group)
+
+
+def _weight(m: nn.Module, dtype: torch.dtype, whole: str = "") -> torch.Tensor:
+    """The weight a split linear computes with: its own, or under QAT (`qat`, model/quantized.py) this rank's
+    slice as the export writes it, with LoRA merged first in fp32 (the adapter factor `whole` on every rank
+    passed through copy_to_group, so that its gradient sums every rank's use)."""
+    qat = m._modules.get("qat")
+    if qat is None:
+        return m.weight
+    w = dense_weight(m.weight, torch.float32)
+    if isinstance(m, LoRALinear):
+        a = copy_to_group(m.lora_A, m.tp_group) if whole == "A" else m.lora_A
+        b = copy_to_group(m.lora_B, m.tp_group) if whole == "B" else m.lora_B
+        w = merged_weight(w, a, b, m.scale)
+    return qat(w).to(dtype)
 
 
 LORA_KIND = {
@@ -144,6 +167,10 @@ def _swap(old: nn.Linear, cls: type, dim: int | None, g: Groups) -> Linear:
     if bias is not None:
         new.bias = nn.Parameter(bias.clone(), requires_grad=old.bias.requires_grad)
     new.tp_group = g.tp
+    qat = old._modules.get("qat")  # QAT: the quantizer of this rank's slice (its blocks' scales)
+    if qat is not None:
+        what = f"{type(old).__name__} {tuple(old.weight.shape)}"
+        new.qat = qat if dim is None else qat.tp_slice(dim, rank, size, old.weight.shape[dim], what)
     if dim is not None and not stored:
         _mark(new.weight, dim, rank, size)
         if bias is not None and dim == 0:
@@ -162,6 +189,8 @@ def _with_adapters(new: Linear, old: LoRALinear, dim: int | None, g: Groups) -> 
     out.register_parameter("bias", new.bias)
     out.r, out.alpha, out.scale = old.r, old.alpha, old.scale
     out.tp_group = new.tp_group
+    if "qat" in new._modules:
+        out.qat = new.qat
     for name, split in (("lora_A", dim == 1), ("lora_B", dim == 0)):
         t, t_grad = getattr(old, name).detach(), getattr(old, name).requires_grad
         p = nn.Parameter((t.chunk(size, dim=dim)[rank] if split else t).clone(), requires_grad=t_grad)

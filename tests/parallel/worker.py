@@ -387,6 +387,38 @@ STORED = {
 }
 
 
+# QAT under expert and tensor parallelism (tests/parallel/test_qat.py): LoRA with every adapted weight and expert
+# fake-quantized as the export writes it, on DeepSeek-V4's FP8 + FP4 folder (EP: each rank its experts' scales;
+# the base dequantized, or stored) and DeepSeek-V3's FP8 folder (TP: each rank its slice's block scales)
+QAT_LORA = {
+    "v4": "--lora_targets q_b_proj,kv_proj,o_b_proj,shared_experts,experts --lr 3e-2",
+    "v3": "--lora_targets q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,shared_experts,experts --lr 3e-2",
+}
+QAT = {  # name -> (layout, base precision)
+    "v4_qat_one": ("--config zero2", "bf16"),
+    "v4_qat_ep2": ("--config zero2 --ep 2", "bf16"),
+    "v4_qat_ep2_stored": ("--config zero2 --ep 2", "stored"),
+    "v3_qat_one": ("--config zero1", "bf16"),
+    "v3_qat_tp2": ("--config zero1 --tp 2", "bf16"),
+}
+
+
+def qat_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
+    """A pool scenario: layout `name` QAT-training FT_STEPS steps -> this rank's history, which of its modules
+    fake-quantize, and its final checkpoint."""
+    layout, base = QAT[name]
+    extra = f"--max_steps {FT_STEPS} --qat on --base_precision {base}"
+    flags = f"{STORED_LORA} {QAT_LORA[name[:2]]} {layout}"
+    tr = trainer(flags, f"{out}/{name}", info, extra=extra, hf=folder, cfg=model_for(name))
+    quantized = [n for n, m in tr.model.named_modules() if "qat" in m._modules]
+    tr.run()
+    return {
+        "history": [{k: r[k] for k in ("loss", "grad_norm")} for r in tr.history],
+        "quantized": quantized,
+        "checkpoint": f"{out}/{name}/checkpoints/step_{FT_STEPS:08d}",
+    }
+
+
 def stored_run(info, out: str, folder: str, name: str) -> dict:  # noqa: ANN001
     """A pool scenario: layout `name` LoRA-training FT_STEPS steps on the FP8 folder with its base stored (saved
     at step 2; ZeRO-2's also resumed from there) -> this rank's history, the stored weights it holds (part

@@ -106,6 +106,24 @@ class LoRALinear(Linear):
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
 
+def qat_expert_weights(
+    experts: nn.Module, qat: nn.ModuleDict, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed experts module's fused weights as the export writes them (QAT): with LoRA (`scale` not None) each
+    expert's base merged with its adapters in fp32 (the export's merge), then fake-quantized. A stored base is
+    dequantized whole (every expert of the module at once: QAT's merge needs them all)."""
+    base = experts.gate_up_proj
+    if isinstance(base, StoredExperts):
+        gate_up, down = base.weights(torch.float32)(0, base.shape[0])
+    else:
+        gate_up, down = base, experts.down_proj
+    if scale is not None:
+        parts = {"gate_up_proj": gate_up.float(), "down_proj": down.float()}
+        merged = merge_expert_tensors(parts | {n: getattr(experts, n) for n in EXPERT_ADAPTERS}, scale)
+        gate_up, down = merged["gate_up_proj"], merged["down_proj"]
+    return qat_experts(qat, gate_up, down)
+
+
 class LoRAExperts(Experts):
     """Routed experts plus per-expert adapters on gate, up and down (see experts.Adapters for the math)."""
 
@@ -136,14 +154,7 @@ class LoRAExperts(Experts):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         qat = self._modules.get("qat")
         if qat is not None:  # QAT: each expert's merged weights (as the export merges them), fake-quantized
-            base = self.gate_up_proj
-            stored = isinstance(base, StoredExperts)  # every expert at once: QAT's merge needs them all
-            gate_up, down = (
-                base.weights(torch.float32)(0, base.shape[0]) if stored else (base, self.down_proj)
-            )
-            parts = {"gate_up_proj": gate_up.float(), "down_proj": down.float()}
-            merged = merge_expert_tensors(parts | {n: getattr(self, n) for n in EXPERT_ADAPTERS}, self.scale)
-            gate_up, down = qat_experts(qat, merged["gate_up_proj"], merged["down_proj"])
+            gate_up, down = qat_expert_weights(self, qat, self.scale)
             return routed_experts(x, idx, weights, gate_up.to(x.dtype), down.to(x.dtype), limit=self.limit)
         return routed_experts(
             x, idx, weights, self.gate_up_proj, self.down_proj, self.adapters(), self.scale, self.limit

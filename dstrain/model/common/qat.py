@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .stored import cut_range
+
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
@@ -41,6 +43,17 @@ class Quantizer(nn.Module):
 
     def scales(self) -> torch.Tensor:
         return self.keep.view(self.scale_dtype).view(self.keep_shape)
+
+    def tp_slice(self, dim: int, rank: int, size: int, logical: int, what: str) -> Quantizer:
+        """The quantizer of a tensor-parallel rank's slice of the weight along `dim` (`logical` rows or columns
+        whole): its blocks' scales (ValueError naming `what` where the slice would cut a block)."""
+        keep = self.scales()
+        lo, hi = cut_range(keep.shape[dim], logical, rank, size, what)
+        return Quantizer(self.fn, keep.narrow(dim, lo, hi - lo).clone())
+
+    def experts(self, first: int, n: int) -> Quantizer:
+        """The quantizer of experts first .. first + n of a stack (an expert-parallel rank's)."""
+        return Quantizer(self.fn, self.scales()[first : first + n].clone())
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         """`w` fake-quantized, differentiable straight through."""
