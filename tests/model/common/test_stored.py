@@ -158,7 +158,9 @@ def test_the_option_s_mistakes_are_one_line(tmp_path):
     lora = ["--lora_r", "8", "--model", str(path)]
     with pytest.raises(ConfigError, match=r"--tp 2 with --base_precision stored: .* cuts its stored blocks"):
         prepare(make_options([*lora, "--tp", "2", "--qat", "off"]), 2, "cpu")
-    with pytest.raises(ConfigError, match=r"--tp 2 with QAT: .* cuts its stored blocks .* --qat off splits it$"):
+    with pytest.raises(
+        ConfigError, match=r"--tp 2 with QAT: .* cuts its stored blocks .* --qat off splits it$"
+    ):
         prepare(make_options([*lora, "--tp", "2", "--base_precision", "bf16"]), 2, "cpu")
     with pytest.raises(ConfigError, match="--base_precision stored: a full fine-tune trains every weight"):
         prepare(make_options(["--model", str(path), "--base_precision", "stored"]), 1, "cpu")
