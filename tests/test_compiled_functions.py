@@ -20,7 +20,7 @@ def _head() -> tuple[Callable, list[torch.Tensor]]:
 
 
 def _mhc_expand() -> tuple[Callable, list[torch.Tensor]]:
-    from dstrain.model.deepseek_v4.mhc import expand
+    from dstrain.model.common.mhc import expand
 
     shapes = [(2, 3, 4), (2, 3, 4, 4), (2, 3, 8), (2, 3, 4, 8)]  # post, comb, out, streams
     return lambda *a: (expand(*a) ** 2).sum(), [torch.randn(s, requires_grad=True) for s in shapes]

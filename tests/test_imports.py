@@ -110,7 +110,7 @@ MODEL_FLOORS = {"hf": set(), "common": set(), "family": {"hf", "common"}, "top":
 
 
 def model_floor(module: str) -> tuple[str, str]:
-    """(floor, sub-package): `dstrain.model.hf.reader` -> (hf, hf); `dstrain.model.deepseek_v4.mhc` ->
+    """(floor, sub-package): `dstrain.model.hf.reader` -> (hf, hf); `dstrain.model.deepseek_v4.model` ->
     (family, deepseek_v4); `dstrain.model.build` -> (top, "")."""
     parts = module.split(".")
     if len(parts) < 3 or not (PACKAGE / "model" / parts[2]).is_dir():

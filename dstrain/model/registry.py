@@ -11,13 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import deepseek_v3, deepseek_v4, kimi_linear
+from . import deepseek_v3, deepseek_v4, glm5_next, kimi_linear
 from .common.family import Family
 
 # The default family reads any other model_type (Kimi-K2's, multimodal wrappers'), or says what is wrong.
 DEFAULT = deepseek_v3.FAMILY
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (deepseek_v3.FAMILY, deepseek_v4.FAMILY, kimi_linear.FAMILY)
+    f.name: f for f in (deepseek_v3.FAMILY, deepseek_v4.FAMILY, kimi_linear.FAMILY, glm5_next.FAMILY)
 }
 PRESETS: dict[str, Any] = {name: cfg for f in FAMILIES.values() for name, cfg in f.presets.items()}
 assert len(PRESETS) == sum(len(f.presets) for f in FAMILIES.values()), "a preset name used twice"

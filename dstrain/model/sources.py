@@ -62,9 +62,17 @@ def copy_into(t: torch.Tensor, source: Any, name: str) -> None:
 
 def _starts_at(name: str) -> float | None:
     """The constant a tensor starts at, None for the random matrices (V4's as transformers starts them: the
-    sinks, compressor position biases and mHC biases at 0, the mHC scales at 1)."""
+    sinks, compressor position biases and mHC biases at 0, the mHC scales at 1; GLM-5.3-Flash's k-pool
+    position bias at 0)."""
     last = name.rpartition(".")[2]
-    if is_expert_bias(name) or last in ("bias", "sinks", "position_bias", "base", "hc_base"):
+    if is_expert_bias(name) or last in (
+        "bias",
+        "sinks",
+        "position_bias",
+        "base",
+        "hc_base",
+        "index_kpool_compress_ape",
+    ):
         return 0.0
     if name.endswith("norm.weight") or last in ("scale", "hc_scale"):
         return 1.0

@@ -1,5 +1,5 @@
 """DeepSeek-V4: config.py (both config.json forms), presets.py, attention.py (sliding, CSA and HCA attention,
-the CSA indexer), mhc.py (hyper-connections), model.py, state_dict.py (both key styles), flops.py."""
+the CSA indexer), model.py (its mHC: common/mhc.py), state_dict.py (both key styles), flops.py."""
 
 from ..common.family import Family
 from . import flops

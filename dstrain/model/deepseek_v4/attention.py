@@ -27,9 +27,9 @@ from ..common.attention import inverse_frequencies
 from ..common.dsa import SparseSettings, inject, top_keys
 from ..common.kernels import Linear, gpu_kernels
 from ..common.layers import RMSNorm
+from ..common.mhc import unweighted_rms
 from ..common.stored import dense_weight
 from .config import CSA, SLIDING, V4Config
-from .mhc import unweighted_rms
 
 # Query rows per block of the attention (its scores are (B, H, rows, keys)): 64 on a CPU, where small blocks
 # keep the work in cache; on a GPU a block is a few kernel launches, so blocks must be large to keep it busy

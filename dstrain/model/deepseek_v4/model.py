@@ -29,10 +29,10 @@ from ..common.layers import (
     update_expert_bias,
 )
 from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
+from ..common.mhc import HyperConnection, HyperHead, expand
 from ..common.output import ModelOutput
 from .attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
 from .config import V4Config
-from .mhc import HyperConnection, HyperHead, expand
 
 
 class V4Router(Router):

@@ -24,8 +24,9 @@ class Target:
 class KeyTable(Protocol):
     """A family's names for one config: what the reader needs to know of the model."""
 
-    prefix: str
-    """The text model's prefix inside a multimodal checkpoint ("" for a text model's own)."""
+    prefix: str | tuple[str, ...]
+    """The text model's prefix inside a multimodal checkpoint ("" for a text model's own), or its prefixes (a
+    folder whose head lies outside the text model's prefix): keys starting with none are `others`."""
     experts: int
     """Routed experts in each fused tensor (`*experts.gate_up_proj` / `*experts.down_proj`)."""
 

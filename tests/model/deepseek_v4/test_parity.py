@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from dstrain.batch import target_mask
 from dstrain.model.common.experts import routed_experts
+from dstrain.model.common.mhc import HyperConnection
 from dstrain.model.deepseek_v4.attention import V4Inputs
 from dstrain.model.deepseek_v4.config import V4Config
-from dstrain.model.deepseek_v4.mhc import HyperConnection
 from dstrain.model.deepseek_v4.model import DeepSeekV4LM
 from dstrain.model.sources import init_weights
 from tests.helpers.v4 import tiny_v4

@@ -9,8 +9,8 @@ import copy
 import torch
 
 from dstrain.model import build_model, get_config
+from dstrain.model.common.mhc import HyperConnection, HyperHead, expand
 from dstrain.model.deepseek_v4.attention import Compressor, attend
-from dstrain.model.deepseek_v4.mhc import HyperConnection, HyperHead, expand
 from dstrain.model.deepseek_v4.state_dict import keeps_fp32
 
 BF16 = torch.bfloat16

@@ -1,10 +1,12 @@
-"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4): the residual is `hc_mult` streams.
+"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4; GLM-5.3-Flash's too): the residual is `hc_mult`
+streams.
 
 Each sublayer reads one collapsed input (a weighted sum of the streams, the `pre` weights) and writes back
 `post * output + comb^T @ streams`, where `comb` (n x n per token) is pushed towards a doubly stochastic matrix
 by Sinkhorn-Knopp iterations. All weights are computed in fp32 from the streams themselves, from the mHC
 parameters upcast (they reach the forward in bf16 under DeepSpeed's bf16 engine), and the streams are
-collapsed and mixed in fp32. A final head collapses the streams before the model's norm.
+collapsed and mixed in fp32. A final head collapses the streams before the model's norm (V4's `HyperHead`;
+GLM-5.3-Flash's is an unweighted mean, in its model.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,266 @@
+"""GLM-5.3-Flash's causal LM (the text model) as plain single-device PyTorch: mHC residual streams (DeepSeek-V4's,
+common/mhc.py), each block a KDA layer (common/kda.py, bounded forget gate) or a DSA layer (attention.py)
+followed by a dense SwiGLU MLP or V3-style MoE (sigmoid routing, correction bias, one shared expert), every
+SwiGLU clamped at swiglu_limit; the streams' final collapse an unweighted mean (transformers' Glm5NextTextHyperHead:
+no parameters, unlike V4's), then the norm and head; MTP.
+
+Module names are transformers' `Glm5NextTextModel` names (the language model's), except KDA's (the checkpoint's:
+three short convolutions, the forget gate's tensors directly under `self_attn`) and the mHC tensors (`attn_hc.fn`
+..., the files' `hc_attn_fn`: state_dict.py maps them). MTP (which transformers does not build; the published
+folder holds it as layer `num_hidden_layers`): GLM-5's form per stream, eh_proj([enorm(embedding of the token k
+ahead), hnorm(stream)]), one DSA + MoE block with its own indexer, the mean collapse, `shared_head.norm`, the
+shared head. Packed rows: KDA restarts at each document, DSA attends within it and pools from its start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dstrain.batch import real_pairs, real_tokens, sequence_halo
+
+from ..common.attention import attention_layout
+from ..common.dsa import SparseControls
+from ..common.kda import KDA, document_starts
+from ..common.kernels import Linear
+from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
+from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
+from ..common.mhc import HyperConnection, expand
+from ..common.output import ModelOutput
+from .attention import Context, DSAttention
+from .config import Glm5NextConfig
+from .indexer import make_pools
+
+
+class ClampedMoE(MoE):
+    """common.layers.MoE with every SwiGLU (routed and shared experts) clamped at swiglu_limit."""
+
+    def __init__(self, cfg: Glm5NextConfig) -> None:
+        super().__init__(cfg)
+        self.experts.limit = cfg.swiglu_limit
+        if self.shared_experts is not None:
+            self.shared_experts.limit = cfg.swiglu_limit
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.kda = cfg.is_kda_layer(layer_idx)
+        if self.kda:
+            self.self_attn = KDA(d, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim, eps,
+                                 lower_bound=cfg.linear_lower_bound)  # fmt: skip
+        else:
+            self.self_attn = DSAttention(cfg, layer_idx)
+        self.mlp = (
+            ClampedMoE(cfg)
+            if cfg.is_moe_layer(layer_idx)
+            else MLP(d, cfg.intermediate_size, cfg.swiglu_limit)
+        )
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        hc = (d, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams: torch.Tensor, ctx: Context):  # noqa: ANN201
+        """streams (B, T, n, D) -> (streams, balance loss or None, expert load or None)."""
+        post, comb, x = self.attn_hc(streams)
+        h = self.input_layernorm(x)
+        out = self.self_attn(h, ctx.starts) if self.kda else self.self_attn(h, ctx)
+        streams = expand(post, comb, out, streams)
+        post, comb, x = self.ffn_hc(streams)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            out, aux, load = self.mlp(h, ctx.real)
+            return expand(post, comb, out, streams), aux, load
+        return expand(post, comb, self.mlp(h), streams), None, None
+
+
+def collapse_mean(streams: torch.Tensor) -> torch.Tensor:
+    """GLM-5.3-Flash's final collapse of the streams: their unweighted mean."""
+    return streams.mean(dim=2)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, layer_idx: int) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * d, d, bias=False)
+        self.block = Block(cfg, layer_idx)
+        self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def inputs(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The depth's streams: each stream joined with the embedding of the token k ahead."""
+        e = self.enorm(embedded).unsqueeze(2).expand_as(streams)
+        return self.eh_proj(torch.cat([e, self.hnorm(streams)], dim=-1))
+
+
+class Glm5NextLM(SparseControls, nn.Module):
+    """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), indexers(),
+    update_expert_bias(), set_activation_checkpointing(), the DSA stages (SparseControls)."""
+
+    seq_parallel: Any = None  # not built for this family (Family.unsupported)
+    indexer_figures_per_slice = False
+
+    def __init__(self, cfg: Glm5NextConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        n = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(n))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Head(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.mtp = nn.ModuleList(MTPLayer(cfg, n + k) for k in range(cfg.num_nextn_predict_layers))
+        self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
+        self.activation_checkpointing = "none"
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def blocks(self) -> list[Block]:
+        return [*self.layers, *(m.block for m in self.mtp)]
+
+    def routers(self) -> list[Router]:
+        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
+
+    def indexers(self) -> list[nn.Module]:
+        return [b.self_attn.indexer for b in self.blocks() if not b.kda and b.self_attn.indexer is not None]
+
+    def sparse_settings(self) -> list:  # noqa: ANN201 - SparseControls' (KDA blocks have none)
+        return [b.self_attn.sparse for b in self.blocks() if not b.kda]
+
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
+
+    def set_activation_checkpointing(self, mode: str | bool) -> None:
+        """'full' (or True): every block recomputed in backward; 'none' (or False): nothing."""
+        mode = {True: "full", False: "none"}.get(mode, mode)
+        if mode not in ("none", "full"):
+            raise ValueError(f"activation checkpointing {mode!r}: GLM-5.3-Flash runs none or full")
+        self.activation_checkpointing = mode
+
+    def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
+        for block in self.blocks():
+            block.compile(**options)
+        self.lm_head.compile_loss(**options)
+
+    @property
+    def halo(self) -> int:
+        return sequence_halo(len(self.mtp))
+
+    def streams_of(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The residual streams at the bottom: n copies of the embedding (B, T, n, D)."""
+        return embedded.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+
+    def context(self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device) -> Context:
+        layout = attention_layout(position_ids, b, t, device)
+        starts = None if layout.causal_only else document_starts(position_ids)
+        pools = make_pools(position_ids, b, t, self.config.index_kpool, device)
+        return Context(layout, starts, pools, real_tokens(position_ids))
+
+    def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor) -> tuple[Context]:
+        b, t = position_ids.shape
+        return (self.context(position_ids, b, t, position_ids.device),)
+
+    def run_block(self, block: Block, streams: torch.Tensor, ctx: Context):  # noqa: ANN201
+        if self.activation_checkpointing == "full" and self.training:
+            return checkpoint(block, streams, ctx, use_reentrant=False)
+        return block(streams, ctx)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+        token_losses: bool = False,
+    ) -> ModelOutput:
+        """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document (-1: padding); labels
+        (B, T) unshifted, -100 not a target; `token_losses`: each position's cross-entropy too (DPO)."""
+        b, t = input_ids.shape
+        ctx = self.context(position_ids, b, t, input_ids.device)
+        streams = self.streams_of(self.embed_tokens(input_ids))
+        aux, loads = None, []
+        for block in self.layers:
+            streams, block_aux, load = self.run_block(block, streams, ctx)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+
+        def ahead(k: int) -> torch.Tensor:  # MTP depth k's inputs: the tokens k ahead (0 past the row)
+            ids = input_ids[:, k : k + t]
+            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
+
+        return self.finish(streams, ahead, ctx, position_ids, labels, aux, loads, return_logits, token_losses)
+
+    def finish(
+        self,
+        streams: torch.Tensor,
+        ahead,  # noqa: ANN001 - k -> embeddings of the tokens k ahead (B, T, D)
+        ctx: Context,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        aux: torch.Tensor | None,
+        loads: Any,
+        return_logits: bool | None = None,
+        token_losses: bool = False,
+    ) -> ModelOutput:
+        """The mean collapse, norm, head and losses, and the MTP depths, from the last block's streams."""
+        cfg = self.config
+        hidden = self.norm(collapse_mean(streams))
+        out = ModelOutput()
+        loads = [*loads] if loads is not None else []
+        if return_logits or (return_logits is None and labels is None):
+            out.logits = self.lm_head(hidden)
+        if labels is not None:
+            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
+                self.lm_head, hidden, labels, position_ids, token_losses
+            )
+            if rows is not None:
+                out.lm_token_loss = rows
+            if len(self.mtp):
+                aux = self._mtp(out, streams, ahead, ctx, position_ids, labels, aux, loads)
+        if ctx.layout.stats:
+            out.indexer_stats = torch.stack(list(ctx.layout.stats.values())).sum(0)
+        if aux is not None:
+            out.aux_loss = aux
+            out.expert_load = torch.stack(loads).detach()
+        if labels is not None:
+            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
+            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if len(self.mtp) else None
+            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
+        return out
+
+    def _mtp(self, out, streams, ahead, ctx, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
+        """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
+        b, t = streams.shape[:2]
+        sums, counts = [], []
+        for k, mtp in enumerate(self.mtp, start=1):
+            streams = mtp.inputs(ahead(k), streams)
+            # a position whose look-ahead token is padding holds no pair: its router counts nothing
+            depth = dataclasses.replace(ctx, real=real_pairs(position_ids, b, t, k, streams.device))
+            streams, block_aux, load = self.run_block(mtp.block, streams, depth)
+            if block_aux is not None:
+                aux = block_aux if aux is None else aux + block_aux
+                loads.append(load)
+            hidden = mtp.shared_head_norm(collapse_mean(streams))
+            s, c, hits = mtp_depth_loss(self.lm_head, hidden, labels, position_ids, k, self.training)
+            if hits is not None:
+                out.mtp_hits = hits
+            sums.append(s)
+            counts.append(c)
+        out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
+        return aux
+
+
+__all__ = ["Glm5NextLM"]
