@@ -1,7 +1,7 @@
 """Predicted peak memory per rank of a training run, from its resolved plan alone (nothing is allocated).
 
 The layers are the DeepSeek-V3 family's (`_Shapes`) or, where a family registers its own in `SHAPES`, its own
-(DeepSeek-V4: v4.py); everything below them (ZeRO, the pipeline, the phases) is shared.
+(DeepSeek-V4: v4.py; Kimi Linear: kimi_linear.py); everything below them (ZeRO, the pipeline, the phases) is shared.
 
 What is predicted is the peak of live tensor bytes on one rank's device — `torch.cuda.max_memory_allocated`
 on a GPU, `measure.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
@@ -435,10 +435,14 @@ class _Shapes:
             out += self.swiglu(inter * c.n_shared_experts // self.tp)
         return out
 
-    def block_activations(self, layer: Layer, moe: bool, indexer: bool = False) -> None:
+    def block_activations(
+        self, layer: Layer, moe: bool, indexer: bool = False, attention: tuple[int, int, int] | None = None
+    ) -> None:
+        """`attention`: (saved, forward and backward temporaries) of a family's own attention sublayer (Kimi
+        Linear's KDA, kimi_linear.py); None: MLA's."""
         c, n, a = self.cfg, self.n, self.a
         d = c.hidden_size
-        attn = self.attention_saved() + self.sparse_saved(indexer)
+        attn = self.attention_saved() + self.sparse_saved(indexer) if attention is None else attention[0]
         ffn = self.moe_saved() if moe else self.swiglu(c.intermediate_size // self.tp)
         mlp = self.norm(d) + n * d * a + ffn  # post_attention_layernorm and its output
         kept = {"none": attn + mlp, "attention": n * d * a + mlp, "mlp": attn + n * d * a, "full": n * d * a}
@@ -458,19 +462,20 @@ class _Shapes:
             inter = c.intermediate_size // self.tp
             fwd, work = n * inter * a, 3 * n * inter * a
         heads = n * self.heads * c.qk_head_dim * a  # attention's q/k/v-sized temporaries
-        attention = 3 * heads + (self.sparse_work() if indexer else 0)
+        if attention is None:
+            attention = (0, 3 * heads + (self.sparse_work() if indexer else 0), 5 * heads)
         linear, held, peak = self.dequantized(layer, moe)
-        layer.forward = max(fwd + held, peak, attention, linear)
+        layer.forward = max(fwd + held, peak, attention[1], linear)
         # + d output, d input and one (tokens, hidden) intermediate
-        layer.backward = recomputed[mode] + 3 * n * d * a + max(work + held, peak, 5 * heads, linear)
-        plain = (max(fwd, attention), recomputed[mode] + 3 * n * d * a + max(work, 5 * heads))
+        layer.backward = recomputed[mode] + 3 * n * d * a + max(work + held, peak, attention[2], linear)
+        plain = (max(fwd, attention[1]), recomputed[mode] + 3 * n * d * a + max(work, attention[2]))
         layer.dequant = (layer.forward - plain[0], layer.backward - plain[1])
 
 
 SHAPES: dict[str, type[_Shapes]] = {}
 """Family name -> the sizes of its layers where they are not the DeepSeek-V3 family's (`_Shapes`): v4.py
-registers DeepSeek-V4's, imported with the package (a family the estimate does not model refuses
-`memory_estimate` in its Family record)."""
+registers DeepSeek-V4's, kimi_linear.py Kimi Linear's, imported with the package (a family the estimate does
+not model refuses `memory_estimate` in its Family record)."""
 
 
 def shapes_of(w: Workload) -> _Shapes:

@@ -66,6 +66,14 @@ def tiny_kimi_linear_config(**kw: Any):  # noqa: ANN201 - a dstrain KimiLinearCo
     return get_config("tiny-kimi-linear").replace(vocab_size=VOCAB, **kw)
 
 
+def tiny_glm5_next_config(**kw: Any):  # noqa: ANN201 - a dstrain Glm5NextConfig
+    """The tiny-glm5-next preset (KDA + dense, DSA + MoE, shared DSA + MoE, KDA + MoE, MTP; 2 mHC streams; a
+    top-k of 16 tokens in pools of 4, so that rows of 32 select) with the test rows' vocabulary."""
+    from dstrain.model import get_config
+
+    return get_config("tiny-glm5-next").replace(vocab_size=VOCAB, **kw)
+
+
 def tiny_v4_config(**kw: Any):  # noqa: ANN201 - a dstrain V4Config
     """A DeepSeek-V4 model of the same scale, every V4 part on at the test rows' 32 tokens: a CSA layer (8
     entries of rate 4 against a top-k of 3) behind a hash layer, an HCA layer (rate 8), a sliding one (a window

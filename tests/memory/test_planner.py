@@ -93,8 +93,10 @@ def test_a_quantized_release_under_lora_plans_its_stored_base(capsys, tmp_path):
         (["--model", "nope", "--num_gpus", "8"], "--model nope"),
         (["--model", "deepseek-v3", "--num_gpus", "0"], "--num_gpus 0"),
         # the family the estimate does not model comes first, before a LoRA target of another family's names
+        (["--model", "tiny-glm5-next", "--lora_r", "8", "--lora_targets", "kv_a_proj", "--num_gpus", "8"],
+         "dstrain plan --model tiny-glm5-next: the memory estimate does not model GLM-5.3-Flash yet"),
         (["--model", "tiny-kimi-linear", "--lora_r", "8", "--lora_targets", "kv_a_proj", "--num_gpus", "8"],
-         "dstrain plan --model tiny-kimi-linear: the memory estimate does not model Kimi Linear yet"),
+         "--lora_targets kv_a_proj: 'kv_a_proj' matches no module of this model"),
         (["--model", "deepseek-v2", "--lora_r", "8", "--base_precision", "stored", "--num_gpus", "8"],
          "--base_precision stored: needs a --model folder with quantized weights"),
     ],

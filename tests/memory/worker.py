@@ -42,3 +42,29 @@ def measured_v4(info, names: list[str]) -> dict:  # noqa: ANN001
     from bench_plan import measure
 
     return measure(info, names, v4_config(), V4_LAYOUTS)
+
+
+KIMI_LAYOUTS = {  # name -> flags (1 rank), as V4_LAYOUTS
+    "Kimi Linear ZeRO-1": "--config zero1",
+    "Kimi Linear ZeRO-2 bf16 full": "--config zero2 --precision bf16 --activation_checkpointing full",
+}
+
+
+def kimi_config():  # noqa: ANN201 - a dstrain KimiLinearConfig
+    """The tiny-kimi-linear preset (KDA + dense, KDA + MoE, MLA + MoE, KDA + MoE) scaled up (hidden 256, 4 KDA
+    heads of 64, 8 experts of 128) so that its activations, KDA's chunked rule most of them, make the peak."""
+    from dstrain.model import get_config
+
+    return get_config("tiny-kimi-linear").replace(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=64, linear_num_heads=4,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+def measured_kimi(info, names: list[str]) -> dict:  # noqa: ANN001
+    """bench_plan.measure of the Kimi Linear model's layouts on this rank."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from bench_plan import measure
+
+    return measure(info, names, kimi_config(), KIMI_LAYOUTS)

@@ -90,6 +90,9 @@ LAYOUTS = {  # name -> flags
     "kimi_pp2": "--config zero1 --pp 2",
     "kimi_sp2": "--config zero2 --sp 2",
     "kimi_tp2_lora": f"--config zero1 --tp 2 {KIMI_LORA}",
+    # GLM-5.3-Flash (KDA + k-pool DSA + mHC + MoE + MTP), the indexer in its sparse stage
+    "glm5n_ep2": f"--config zero2 --ep 2 {DSA}",
+    "glm5n_tp2": f"--config zero1 --tp 2 {DSA}",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
     "muon_z0": f"--config {{out}}/zero0.json {MUON}",
@@ -120,6 +123,8 @@ LAYOUTS = {  # name -> flags
 # resume, which is the layout's, not the model's; DeepSeek-V4 resumes on another layout in RESHARD_DSA; DSA's
 # dense stage is its sparse stage's model)
 NO_SAME_LAYOUT_RESUME = (
+    "glm5n_ep2",
+    "glm5n_tp2",
     "v4_z3",
     "v4_ep2",
     "v4_pp2",
@@ -179,6 +184,10 @@ def model_for(layout: str):  # noqa: ANN201 - a dstrain ModelConfig
 
     if layout.startswith("v4_"):
         return tiny_v4_config()
+    if layout.startswith("glm5n_"):
+        from tests.helpers.tiny import tiny_glm5_next_config
+
+        return tiny_glm5_next_config()
     if layout.startswith("kimi_"):
         from tests.helpers.tiny import tiny_kimi_linear_config
 

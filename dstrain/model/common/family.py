@@ -21,6 +21,17 @@ def heads_and_mlp_sizes(cfg: Any) -> dict[str, int]:
     return sizes
 
 
+def kda_hybrid_sizes(cfg: Any) -> dict[str, int]:
+    """A KDA hybrid's (Kimi Linear, GLM-5.3-Flash) split sizes: MLA's heads and the MLPs as V3's, and KDA's heads
+    (a tensor-parallel rank keeps whole heads of both kinds)."""
+    return {**heads_and_mlp_sizes(cfg), "linear_num_heads": cfg.linear_num_heads}
+
+
+def kda_hybrid_heads(cfg: Any) -> dict[str, int]:
+    """A KDA hybrid's head counts (what sequence parallelism splits): MLA's and KDA's."""
+    return {"num_attention_heads": cfg.num_attention_heads, "linear_num_heads": cfg.linear_num_heads}
+
+
 def fused_expert_peft_keys(module: str, leaf: str, n_experts: int) -> list[str]:
     """transformers' fused routed experts (`<module>.gate_up_proj` / `.down_proj`, module ending `.experts`) as
     PEFT adapter folders name them: one key per expert and projection, under `model.`."""

@@ -9,7 +9,7 @@ balance loss (common/layers.py), DSA's stages, top-k and KL rule (common/dsa.py)
 GLM's own and stay here: the k-pool indexer (indexer.py) and the DSA layer. DeepSeek-V4's mHC moved to
 common/mhc.py (a family imports no other family's modules: tests/test_imports.py)."""
 
-from ..common.family import Family
+from ..common.family import Family, kda_hybrid_heads, kda_hybrid_sizes
 from . import flops
 from .config import Glm5NextConfig
 from .model import Glm5NextLM
@@ -31,14 +31,14 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
     copied_tensors=vision_tensors,
+    tp_sizes=kda_hybrid_sizes,
+    head_counts=kda_hybrid_heads,
     # KDA's q, k, v projections, MLA's query and key/value up-projections, both layers' output, the shared
     # experts (the MTP block's too)
     lora_targets=("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),
     unsupported={
-        "tp": f"tensor parallelism (KDA's heads, the mHC streams, the k-pool indexer) is not built {_NOT_YET}",
         "sp": f"sequence parallelism (KDA's state, the k-pool indexer over whole rows) is not built {_NOT_YET}",
         "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's blocks) {_NOT_YET}",
-        "ep": f"expert parallelism is not verified {_NOT_YET}",
         "adapter_only": "GLM-5.3-Flash adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model GLM-5.3-Flash yet (mHC streams, KDA's state); "
         "its parameters are `dstrain.model.param_counts`",

@@ -6,6 +6,7 @@ dsa.SparseControls as for DeepSeek-V3.2 and GLM-5."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class Context:
 
 
 class DSAttention(LatentProjections):
+    # Tensor parallelism (dstrain.parallel.tp): sums the indexer's target over the ranks holding the other heads
+    head_sum: Any = None
+
     def __init__(self, cfg: Glm5NextConfig, layer_idx: int) -> None:
         super().__init__(cfg)
         # transformers' query and latent norms take the model's eps (LatentProjections' default is 1e-6)
@@ -56,7 +60,7 @@ class DSAttention(LatentProjections):
         trains = torch.is_grad_enabled() and any(p.requires_grad for p in self.indexer.parameters())
         grads = measure and settings.loss and trains
         sparse_loss = not settings.dense and torch.is_grad_enabled()
-        target = (q.detach(), k.detach(), self.scale, sparse_loss) if measure else None
+        target = (q.detach(), k.detach(), self.scale, sparse_loss, self.head_sum) if measure else None
         result = select(iq, pk, iw, ctx.pools, self.cfg.index_topk, target, layout.real_rows, grads)
         out = attend(q, k, v, self.scale, layout, None if settings.dense else result.keys)
         layout.selections[settings.layer] = result.keys

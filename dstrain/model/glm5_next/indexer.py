@@ -20,6 +20,7 @@ wk, k_norm and the compression parameters. All in torch, by blocks of query rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,12 +126,13 @@ def select(
     w: torch.Tensor,
     pools: Pools,
     topk: int,
-    target: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
+    target: tuple[torch.Tensor, torch.Tensor, float, bool, Any] | None = None,
     real: torch.Tensor | None = None,
     grads: bool = False,
 ) -> Selection:
     """Each query's keys (see the top); with `target` (main q, main k (B, T, H, d) detached, their scale,
-    sparse stage) the KL and recall, with `grads` its gradient. `real` (B, T): the queries holding a token."""
+    sparse stage, and the sum over the tensor-parallel ranks' heads or None) the KL and recall, with `grads`
+    its gradient. `real` (B, T): the queries holding a token."""
     b, t, heads, dim = q.shape
     kpool, npool, dev = pools.token.shape[-1], pool_k.shape[1], q.device
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -199,7 +201,7 @@ def select(
 
 
 def _pool_target(
-    target: tuple[torch.Tensor, torch.Tensor, float, bool],
+    target: tuple[torch.Tensor, torch.Tensor, float, bool, Any],
     s: int,
     e: int,
     support: torch.Tensor,
@@ -207,7 +209,7 @@ def _pool_target(
 ) -> torch.Tensor:
     """(B, e - s, P): the main attention's probabilities of query rows s:e over the supported pools' tokens,
     summed over heads and per pool, L1-normalised (0 where a row has no support)."""
-    q, k, scale, _ = target
+    q, k, scale, _, head_sum = target
     b, t = k.shape[:2]
     npool = pools.token.shape[1]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -219,4 +221,6 @@ def _pool_target(
     mass = torch.zeros(b, e - s, npool + 1, dtype=work, device=q.device)
     mass.scatter_add_(-1, owner[:, None, :].expand(-1, e - s, -1), probs)
     mass = mass[..., :npool]
+    if head_sum is not None:  # tensor parallelism: every rank's heads
+        mass = head_sum(mass)
     return mass / mass.sum(-1, keepdim=True).clamp(min=1e-30)

@@ -5,18 +5,12 @@ GLM-5.3-Flash (`glm5_next`) is a family of its own (`glm5_next/`), not a variant
 MLA and the MoE through common/, but its blocks carry V4's mHC streams, its MLA layers DSA over k-pools with
 shared indexers, and it has MTP and a vision tower: a different block, key table and config.json."""
 
-from ..common.family import Family, heads_and_mlp_sizes
+from ..common.family import Family, kda_hybrid_heads, kda_hybrid_sizes
 from . import flops
 from .config import KimiLinearConfig
 from .model import KimiLinearLM
 from .presets import PRESETS
 from .state_dict import keeps_fp32, open_folder, peft_keys, to_hf, write_config
-
-
-def tp_sizes(cfg: KimiLinearConfig) -> dict[str, int]:
-    """MLA's heads and the MLPs as V3's, and KDA's heads (a rank keeps whole heads of both kinds)."""
-    return {**heads_and_mlp_sizes(cfg), "linear_num_heads": cfg.linear_num_heads}
-
 
 FAMILY = Family(
     name="kimi_linear",
@@ -31,20 +25,13 @@ FAMILY = Family(
     param_counts=flops.param_counts,
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
-    tp_sizes=tp_sizes,
+    tp_sizes=kda_hybrid_sizes,
     peft_keys=peft_keys,
     serving_adapters=False,  # no serving engine defines Kimi Linear LoRA yet: the form peft loads
-    head_counts=lambda cfg: {
-        "num_attention_heads": cfg.num_attention_heads,
-        "linear_num_heads": cfg.linear_num_heads,
-    },
+    head_counts=kda_hybrid_heads,
     # KDA's q, k, v projections and MLA's (q_proj: no query compression) key/value up-projection, both
     # layers' output, the shared experts
     lora_targets=("q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj", "shared_experts"),
-    unsupported={
-        "memory_estimate": "the memory estimate does not model Kimi Linear yet (KDA's state and chunk "
-        "activations); its parameters are `dstrain.model.param_counts`",
-    },
 )
 
 __all__ = ["FAMILY", "KimiLinearConfig", "KimiLinearLM"]

@@ -49,7 +49,7 @@ def test_indexer_kl_gradient_is_autograd_s(sparse: bool) -> None:
     w = torch.randn(b, t, h, generator=g, dtype=torch.float64, requires_grad=True)
     mq, mk = (torch.randn(b, t, heads, 6, generator=g, dtype=torch.float64) for _ in range(2))
     real = pos >= 0
-    result = select(q, pk, w, pools, 8, (mq, mk, 0.4, sparse), real, grads=True)
+    result = select(q, pk, w, pools, 8, (mq, mk, 0.4, sparse, None), real, grads=True)
     # the same KL by autograd: the selection fixed, the target recomputed from its definition
     index = (w.unsqueeze(-1) * (torch.einsum("bthd,bpd->bthp", q, pk) * d**-0.5).relu()).sum(2)
     at = torch.arange(t)
@@ -141,8 +141,8 @@ def test_lora_on_the_default_targets_merges_to_the_same_model() -> None:
 
 def test_family_surface() -> None:
     """Refused features name themselves; activation checkpointing 'full' gives the same loss."""
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        FAMILY.refuse("tp", "--tp 2")
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        FAMILY.refuse("sp", "--sp 2")
     model = tiny(num_nextn_predict_layers=0).train()
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(5))
     plain = model(ids, labels=ids).loss
