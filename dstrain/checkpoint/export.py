@@ -438,7 +438,6 @@ def _compare(
     ref: torch.nn.Module, opened: Checkpoint, out: str | os.PathLike, seq_len: int, adapter_only: bool
 ) -> float:
     """Max |logits diff| of transformers' model of `out` and `ref` on random ids."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     cfg = opened.config
@@ -455,7 +454,7 @@ def _compare(
             elif cfg.wrapper:
                 hf = _text_model(cfg, out, **quant).eval()
             else:
-                hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, **quant).eval()
+                hf = _hf_lm(str(out), dtype=torch.float32, **quant).eval()
         if quant:  # its FP8 loader leaves the unquantized weights in the file's dtype (exactly: upcast)
             hf = hf.float()
     finally:
@@ -517,14 +516,25 @@ def check_adapter_verify(opened: Checkpoint) -> None:
 def _peft_model(base: str, adapter: str | os.PathLike) -> Any:
     """peft's model of the adapter folder as it is, on transformers' model of `base`, in fp32."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    hf = _hf_lm(base, dtype=torch.float32)
     with warnings.catch_warnings():
         # peft checks its own fused experts' rank_pattern against target_modules only and calls it unused
         warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys", RuntimeWarning)
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         return PeftModel.from_pretrained(hf, str(adapter)).eval()
+
+
+def _hf_lm(path: str, **kwargs: Any) -> Any:
+    """transformers' model with the language-model head of a folder: AutoModelForCausalLM's, or where
+    transformers maps the architecture to image-text-to-text only (GLM-5.3-Flash's), that one (the text path
+    runs without images)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
 
 
 def _dequantizing(out: str | os.PathLike, cfg: ModelConfig) -> dict[str, Any]:

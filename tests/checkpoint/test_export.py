@@ -306,6 +306,43 @@ def test_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(
     assert generated.shape == (1, 10) and torch.equal(generated[:, :4], prompt)
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "glm5_next"])
+def test_kda_hybrid_lora_sft_of_a_transformers_folder_exports_verifies_and_generates(
+    family, tmp_path, capsys, rank_pools
+):
+    """The same journey for the KDA hybrids: a Kimi Linear or GLM-5.3-Flash folder transformers wrote (GLM's
+    with its vision tower), LoRA SFT on chats under ZeRO-3, export --verify, transformers' generate on the
+    export (GLM-5.3-Flash through its image-text-to-text class, text only)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tests.helpers.data_files import chat_rows, write_jsonl
+
+    src, run, out = tmp_path / "src", tmp_path / "run", tmp_path / "out"
+    if family == "kimi_linear":
+        from tests.model.kimi_linear.conftest import kimi_model as hf_model
+
+        auto = AutoModelForCausalLM
+    else:
+        from tests.model.glm5_next.conftest import glm_model as hf_model
+
+        auto = AutoModelForImageTextToText
+    hf_model(vocab_size=272).save_pretrained(src)  # the byte tokenizer's ids
+    byte_tokenizer().save_pretrained(src)
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(40))
+    train(rank_pools, ["--model", str(src), "--config", "zero3", "--data", data, "--seq_len", "256", "--lora_r", "8", "--max_steps", "2",
+           "--output_dir", str(run)])  # fmt: skip
+    capsys.readouterr()
+    step = str(run / "checkpoints" / "step_00000002")
+    assert dstrain_main(["export", step, "--out", str(out), "--verify"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    diff = float(re.search(r"max \|logits diff\| (\S+)", line).group(1))
+    assert line.endswith(": ok") and diff < 1e-4, line
+    hf = auto.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    generated = hf.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 10) and torch.equal(generated[:, :4], prompt)
+
+
 def test_a_preset_runs_export_ships_the_tokenizer_it_trained_with(tmp_path, caplog, rank_pools):
     """No folder to copy tokenizer files from: the export saves the run's own (the bundled DeepSeek-V3
     tokenizer by default), and transformers loads it without a word about its class."""
@@ -385,6 +422,32 @@ def test_kimi_linear_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys
     line = capsys.readouterr().out.splitlines()[-1]
     diff = float(re.search(r"verify: max \|logits diff\| (\S+) \(tolerance", line)[1])
     assert diff <= 1e-5 and line.endswith(": ok"), line
+
+
+def test_glm5_next_adapter_only_loads_in_peft_on_transformers(tmp_path, capsys):
+    """GLM-5.3-Flash: `--adapter_only` writes the PEFT form transformers' Glm5NextForConditionalGeneration loads
+    (dstrain's names under `model.language_model.`, KDA's forget-gate projections under `forget_gate`, routed
+    experts one key per expert; the MTP layer's adapters left out: transformers builds no MTP); `--verify` gives
+    peft's logits on transformers those of the checkpoint."""
+    from tests.model.glm5_next.conftest import glm_model
+
+    base = tmp_path / "base"
+    glm_model().save_pretrained(base)
+    ours = from_pretrained(base, dtype=torch.float32).eval()
+    ours.config.bias_update_speed = 0.0  # as a LoRA run keeps it: the routers stay the base's
+    targets = (
+        "q_proj,k_proj,v_proj,f_a_proj,f_b_proj,g_b_proj,q_b_proj,kv_b_proj,o_proj,shared_experts,experts"
+    )
+    opts = make_options(["--lora_r", "4", "--lora_targets", targets, "--no-train_router"])
+    apply_finetune_options(ours, opts.lora, opts.run.seed)
+    randomize_adapters(ours)
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_00000000", ours, base)
+    argv = ["export", str(ckpt), "--out", str(tmp_path / "a"), "--adapter_only", "--dtype", "float32"]
+    assert dstrain_main([*argv, "--verify"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    diff = float(re.search(r"verify: max \|logits diff\| (\S+) \(tolerance", line)[1])
+    # the CLI's tolerance (1e-4); seen 1.1e-5 (random adapters through 4 mHC streams and every layer kind)
+    assert diff <= 1e-4 and line.endswith(": ok"), line
 
 
 # ------------------------------------------------------------------ the source's quantized form

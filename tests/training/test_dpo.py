@@ -414,14 +414,16 @@ def test_deepseek_v4_dpo_starts_at_log2_and_learns(tmp_path, rank_pools):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("lora", [False, True])
-def test_kimi_linear_dpo_starts_at_log2_and_learns(tmp_path, rank_pools, lora):
-    """DPO on the tiny Kimi Linear (KDA and NoPE MLA layers), one process, in full (the precomputed reference) and
-    with LoRA on its default targets (the reference: the adapters off): the policy at step 1 is the reference,
-    then it ranks the step's pairs."""
+@pytest.mark.parametrize(
+    ("model", "lora"), [("kimi", False), ("kimi", True), ("glm5n", False), ("glm5n", True)]
+)
+def test_kda_hybrid_dpo_starts_at_log2_and_learns(tmp_path, rank_pools, model, lora):
+    """DPO on the tiny Kimi Linear (KDA and NoPE MLA layers) and GLM-5.3-Flash (KDA, k-pool DSA, mHC, MTP), one
+    process, in full (the precomputed reference) and with LoRA on the family's default targets (the reference:
+    the adapters off): the policy at step 1 is the reference, then it ranks the step's pairs."""
     flags = f"--config zero1 {V4_DPO}" + (" --lora_r 8 --lora_alpha 16 --lr 1e-2" if lora else "")
     worker = "tests.training.worker:dpo_v4_run"
-    history = rank_pools.run(1, worker, str(tmp_path), "kimi", flags, 4, "kimi")[0]
+    history = rank_pools.run(1, worker, str(tmp_path), model, flags, 4, model)[0]
     first = history[0]
     assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards/margins"] == 0.0
     assert first["pairs"] == 8 and history[2]["loss"] < history[1]["loss"] < math.log(2) - 0.01

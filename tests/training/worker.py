@@ -381,10 +381,10 @@ def dpo_v4_run(
     info, out: str, name: str, args: str, cycle: int = 0, model: str = "v4"
 ) -> list[dict[str, Any]]:  # noqa: ANN001
     """dpo_full_run's DPO (every weight, the precomputed reference, unless `args` asks for adapters) on the tiny
-    DeepSeek-V4 (`model` "v4") or Kimi Linear ("kimi"), over `cycle` rows repeated as dpo_run's -> the history."""
-    from tests.helpers.tiny import tiny_kimi_linear_config, tiny_v4_config
+    DeepSeek-V4 (`model` "v4"), Kimi Linear ("kimi") or GLM-5.3-Flash ("glm5n"), over `cycle` rows repeated as dpo_run's -> the history."""
+    from tests.helpers.tiny import tiny_glm5_next_config, tiny_kimi_linear_config, tiny_v4_config
 
-    cfg = {"v4": tiny_v4_config, "kimi": tiny_kimi_linear_config}[model]()
+    cfg = {"v4": tiny_v4_config, "kimi": tiny_kimi_linear_config, "glm5n": tiny_glm5_next_config}[model]()
     tr = _dpo_trainer(info, out, name, f"--lr 1e-3 {args}", cycle, lora=False, cfg=cfg)
     return tr.history
 

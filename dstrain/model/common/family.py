@@ -32,11 +32,11 @@ def kda_hybrid_heads(cfg: Any) -> dict[str, int]:
     return {"num_attention_heads": cfg.num_attention_heads, "linear_num_heads": cfg.linear_num_heads}
 
 
-def fused_expert_peft_keys(module: str, leaf: str, n_experts: int) -> list[str]:
+def fused_expert_peft_keys(module: str, leaf: str, n_experts: int, prefix: str = "model.") -> list[str]:
     """transformers' fused routed experts (`<module>.gate_up_proj` / `.down_proj`, module ending `.experts`) as
-    PEFT adapter folders name them: one key per expert and projection, under `model.`."""
+    PEFT adapter folders name them: one key per expert and projection, under `prefix`."""
     projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-    return [f"model.{module}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
+    return [f"{prefix}{module}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from . import flops
 from .config import Glm5NextConfig
 from .model import Glm5NextLM
 from .presets import PRESETS
-from .state_dict import keeps_fp32, open_folder, to_hf, vision_tensors, write_config
+from .state_dict import keeps_fp32, open_folder, peft_keys, to_hf, vision_tensors, write_config
 
 _NOT_YET = "for GLM-5.3-Flash yet; it trains on one process (with or without ZeRO)"
 FAMILY = Family(
@@ -31,6 +31,8 @@ FAMILY = Family(
     flops_per_token=flops.flops_per_token,
     checkpointing=("none", "full"),
     copied_tensors=vision_tensors,
+    peft_keys=peft_keys,
+    serving_adapters=False,  # no serving engine defines GLM-5.3-Flash LoRA yet: the form peft loads
     tp_sizes=kda_hybrid_sizes,
     head_counts=kda_hybrid_heads,
     # KDA's q, k, v projections, MLA's query and key/value up-projections, both layers' output, the shared
@@ -39,10 +41,8 @@ FAMILY = Family(
     unsupported={
         "sp": f"sequence parallelism (KDA's state, the k-pool indexer over whole rows) is not built {_NOT_YET}",
         "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's blocks) {_NOT_YET}",
-        "adapter_only": "GLM-5.3-Flash adapters export merged only for now: drop --adapter_only",
         "memory_estimate": "the memory estimate does not model GLM-5.3-Flash yet (mHC streams, KDA's state); "
         "its parameters are `dstrain.model.param_counts`",
-        "dpo": "DPO is not tested on GLM-5.3-Flash yet; it trains with the language-model objective",
     },
 )
 

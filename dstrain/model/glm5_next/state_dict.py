@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..common.family import fused_expert_peft_keys
 from ..common.layers import may_start_fresh
 from ..hf import HFReader, Target, checkpoint_files, split_experts
 from ..hf.files import SafetensorsFile
@@ -203,3 +204,16 @@ def write_config(
         json.dump(d, f, indent=2, sort_keys=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
+
+
+def peft_keys(key: str, cfg: Glm5NextConfig) -> list[str]:
+    """The names transformers' Glm5NextForConditionalGeneration gives dstrain tensor `key`: dstrain's under
+    `model.language_model.`, but a KDA layer's forget-gate projections under its `forget_gate` module; fused
+    routed experts one key per expert and projection (as PEFT adapter folders write them)."""
+    module, _, leaf = key.rpartition(".")
+    if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
+        return fused_expert_peft_keys(module, leaf, cfg.n_routed_experts, NESTED)
+    layer, attn, rest = key.partition(".self_attn.")
+    if attn and rest.startswith(("f_a_proj.", "f_b_proj.")):
+        return [f"{NESTED}{layer}.self_attn.forget_gate.{rest}"]
+    return [f"{NESTED}{key}"]
