@@ -7,6 +7,7 @@
 # top kernels of each one's 16K step). From the project root:
 #   bash launch/bench_gpu.sh                  # OUT=/tmp/bench_gpu: log.txt, each run's metrics.jsonl
 #   bash launch/bench_gpu.sh dsa              # OUT=/tmp/bench_gpu: log.txt, dsa/ traces
+#   bash launch/bench_gpu.sh round5           # the stored FP8 base's LoRA step, a Kimi Linear (KDA) step
 # A part that would not fit the time left is skipped (said in the log). Unmeasured so far: written without a GPU.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled HF_HUB_OFFLINE=1
@@ -43,6 +44,14 @@ run_ds() {  # name, steps, seconds at most, dstrain train args...: stopped once 
   rm -rf "$dir"/checkpoints "$dir"/profile
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$LOG"
+if [ "${1:-}" = round5 ]; then  # this round's GPU work: the stored FP8 base's LoRA step, a KDA-hybrid step
+  part 60 "dstrain env" $PY -m dstrain env
+  part 180 "LoRA step: stored FP8 base against a bf16 base" $PY launch/bench_lora.py --device cuda --stored --rounds 2
+  part 150 "Kimi Linear step against transformers (fla's kernels where installed)" $PY launch/bench_kda.py \
+    --device cuda --dtype bf16 --seq_len 4096 --batch 2 --rounds 2
+  say "end ($(left) s left)"
+  exit 0
+fi
 if [ "${1:-}" = dsa ]; then
   part 120 "DSA kernels against the torch path" $PY launch/bench_dsa.py --device cuda --check
   part 150 "DSA profiled at 16K" $PY launch/bench_dsa.py --device cuda --lengths 16384 --rounds 1 \
