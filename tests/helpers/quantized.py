@@ -24,9 +24,18 @@ V3_FP8 = {
 }
 
 
-def quantize_folder_fp8(path) -> dict[str, int]:  # noqa: ANN001 - a pathlib.Path
-    """Rewrite the safetensors folder `path` with every projection in V3's FP8 form (one file), the config's
-    quantization_config as V3's. -> the stored bytes (codes + scales) of each quantized HF weight."""
+# The KDA hybrids' projections (Kimi Linear, GLM-5.3-Flash): KDA's q/k/v/o, beta and gate projections, MLA's, the
+# MLPs' and experts' (short convolutions, norms, A_log, dt_bias, routers, mHC and indexers stay as they are)
+KDA_HYBRID_FP8 = re.compile(
+    r"(self_attn\.(q_proj|k_proj|v_proj|o_proj|b_proj|[fg]_[ab]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa"
+    r"|kv_b_proj)|(mlp|block_sparse_moe)\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$"
+)
+
+
+def quantize_folder_fp8(path, pattern: re.Pattern = FP8_LINEAR) -> dict[str, int]:  # noqa: ANN001
+    """Rewrite the safetensors folder `path` (a pathlib.Path) with every projection (`pattern`) in V3's FP8 form
+    (one file), the config's quantization_config as V3's. -> the stored bytes (codes + scales) of each quantized
+    HF weight."""
     dense = {}
     for f in sorted(path.glob("*.safetensors")):
         dense.update(load_file(f))
@@ -34,7 +43,7 @@ def quantize_folder_fp8(path) -> dict[str, int]:  # noqa: ANN001 - a pathlib.Pat
     (path / SAFE_INDEX).unlink(missing_ok=True)
     files, stored = {}, {}
     for k, t in dense.items():
-        if FP8_LINEAR.search(k):
+        if pattern.search(k) and t.dim() == 2:
             files[k], files[k + "_scale_inv"] = quantize_fp8(t.float(), torch.float32)
             stored[k] = files[k].numel() + 4 * files[k + "_scale_inv"].numel()
         else:
@@ -153,3 +162,12 @@ def int4_folder(path, seed: int = 11) -> dict[str, int]:  # noqa: ANN001
                 f"{base}weight_shape": torch.tensor(t.shape, dtype=torch.int32)}  # fmt: skip
 
     return _rewrite(path, quantize, {"quantization_config": INT4})
+
+
+def glm5n_fp8_folder(path) -> dict[str, int]:  # noqa: ANN001
+    """transformers' tiny GLM-5.3-Flash (tests/model/glm5_next/conftest.py: with its vision tower) with every
+    projection in the FP8 form its release ships. -> stored bytes."""
+    from tests.model.glm5_next.conftest import glm_model
+
+    glm_model().save_pretrained(path)
+    return quantize_folder_fp8(path, KDA_HYBRID_FP8)

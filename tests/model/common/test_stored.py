@@ -21,7 +21,7 @@ from dstrain.model.quantized import dequantizer, fill_stored, store_base
 from dstrain.model.registry import on_meta
 from dstrain.model.sources import Weights, fill, open_folder
 from dstrain.training.finetune import apply_finetune_options
-from tests.helpers.quantized import fp8_folder
+from tests.helpers.quantized import fp8_folder, glm5n_fp8_folder
 from tests.helpers.trainer import make_options
 
 
@@ -44,6 +44,11 @@ FORMS = {  # name -> (folder writer, LoRA targets)
     "fp8_v3": (lambda p: fp8_folder(p) and p, "q_b_proj,kv_b_proj,o_proj,shared_experts,experts"),
     "fp8_fp4_v4": (_v4_folder, "q_b_proj,kv_proj,o_a_proj,o_b_proj,shared_experts,experts"),
     "int4_k25": (_k25_folder, "q_b_proj,kv_b_proj,o_proj,shared_experts,experts"),
+    # GLM-5.3-Flash's FP8 release: KDA's projections and gates, MLA's, the experts
+    "fp8_glm5n": (
+        lambda p: glm5n_fp8_folder(p) and p,
+        "q_proj,v_proj,f_b_proj,q_b_proj,kv_b_proj,o_proj,experts",
+    ),
 }
 
 
