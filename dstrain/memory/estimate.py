@@ -1,7 +1,8 @@
 """Predicted peak memory per rank of a training run, from its resolved plan alone (nothing is allocated).
 
 The layers are the DeepSeek-V3 family's (`_Shapes`) or, where a family registers its own in `SHAPES`, its own
-(DeepSeek-V4: v4.py; Kimi Linear: kimi_linear.py); everything below them (ZeRO, the pipeline, the phases) is shared.
+(DeepSeek-V4: v4.py; Kimi Linear: kimi_linear.py; GLM-5.3-Flash: glm5_next.py); everything below them (ZeRO,
+the pipeline, the phases) is shared.
 
 What is predicted is the peak of live tensor bytes on one rank's device — `torch.cuda.max_memory_allocated`
 on a GPU, `measure.AllocationTracker`'s peak on a CPU — plus, on CUDA, a fixed allowance for the CUDA
@@ -272,15 +273,21 @@ class _Shapes:
         if indexer:
             layer.tensors += self.indexer_tensors()
             layer.vectors += 2 * c.index_head_dim  # its key LayerNorm
+        self.add_ffn(layer, moe)
+        self.store(layer, moe, indexer)
+        self.block_activations(layer, moe, indexer)
+        return layer
+
+    def add_ffn(self, layer: Layer, moe: bool) -> None:
+        """A block's MLP tensors: the router, the shared experts (split by tensor parallelism) and this rank's
+        routed experts, or the dense MLP."""
+        c, d = self.cfg, self.cfg.hidden_size
         if moe:
             shared = c.moe_intermediate_size * c.n_shared_experts // self.tp
             layer.tensors += [c.n_routed_experts * d] + ([d * shared] * 3 if shared else [])
             layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
         else:
             layer.tensors += [d * c.intermediate_size // self.tp] * 3
-        self.store(layer, moe, indexer)
-        self.block_activations(layer, moe, indexer)
-        return layer
 
     # a stored base: its sizes are stored.py's (StoredBase) ------------------------------------------------------
     def store(self, layer: Layer, moe: bool, indexer: bool) -> None:
@@ -342,8 +349,13 @@ class _Shapes:
             layer.stored, layer.experts_stored, layer.dequant = [], 0, (0, 0)
         elif stored is not None and stored.of("mtp") is not None:
             layer.stored.append((2 * d * d, stored.of("mtp").nbytes(d, 2 * d)))
-        layer.saved += 3 * self.norm(d) + self.n * 2 * d * self.a
+        layer.saved += self.mtp_saved()
         return layer
+
+    def mtp_saved(self) -> int:
+        """What an MTP depth keeps besides its block: enorm, hnorm, their concatenation, shared_head_norm."""
+        d = self.cfg.hidden_size
+        return 3 * self.norm(d) + self.n * 2 * d * self.a
 
     # activations -----------------------------------------------------------------------------------------
     def norm(self, width: int) -> int:
@@ -435,20 +447,9 @@ class _Shapes:
             out += self.swiglu(inter * c.n_shared_experts // self.tp)
         return out
 
-    def block_activations(
-        self, layer: Layer, moe: bool, indexer: bool = False, attention: tuple[int, int, int] | None = None
-    ) -> None:
-        """`attention`: (saved, forward and backward temporaries) of a family's own attention sublayer (Kimi
-        Linear's KDA, kimi_linear.py); None: MLA's."""
-        c, n, a = self.cfg, self.n, self.a
-        d = c.hidden_size
-        attn = self.attention_saved() + self.sparse_saved(indexer) if attention is None else attention[0]
-        ffn = self.moe_saved() if moe else self.swiglu(c.intermediate_size // self.tp)
-        mlp = self.norm(d) + n * d * a + ffn  # post_attention_layernorm and its output
-        kept = {"none": attn + mlp, "attention": n * d * a + mlp, "mlp": attn + n * d * a, "full": n * d * a}
-        recomputed = {"none": 0, "attention": attn, "mlp": mlp, "full": attn + mlp}
-        mode = self.w.checkpointing
-        layer.saved = kept[mode]
+    def mlp_work(self, moe: bool) -> tuple[int, int]:
+        """-> (the MLP's forward temporaries, its backward's)."""
+        c, n, a, d = self.cfg, self.n, self.a, self.cfg.hidden_size
         if moe:
             rows, inter = self.routed_rows(), c.moe_intermediate_size
             # forward: rows gathered and their outputs, silu * up, the fp32 per-token sum; backward: d out
@@ -458,9 +459,25 @@ class _Shapes:
             if self.ep > 1:  # all-to-all send and receive copies of the rows, both ways
                 fwd += 2 * rows * d * a
                 work += 2 * rows * d * a
-        else:
-            inter = c.intermediate_size // self.tp
-            fwd, work = n * inter * a, 3 * n * inter * a
+            return fwd, work
+        inter = c.intermediate_size // self.tp
+        return n * inter * a, 3 * n * inter * a
+
+    def block_activations(
+        self, layer: Layer, moe: bool, indexer: bool = False, attention: tuple[int, int, int] | None = None
+    ) -> None:
+        """`attention`: (saved, forward and backward temporaries) of a family's own attention sublayer (Kimi
+        Linear's KDA, kimi_linear.py); None: MLA's. (GLM-5.3-Flash's blocks, under mHC: glm5_next.py.)"""
+        c, n, a = self.cfg, self.n, self.a
+        d = c.hidden_size
+        attn = self.attention_saved() + self.sparse_saved(indexer) if attention is None else attention[0]
+        ffn = self.moe_saved() if moe else self.swiglu(c.intermediate_size // self.tp)
+        mlp = self.norm(d) + n * d * a + ffn  # post_attention_layernorm and its output
+        kept = {"none": attn + mlp, "attention": n * d * a + mlp, "mlp": attn + n * d * a, "full": n * d * a}
+        recomputed = {"none": 0, "attention": attn, "mlp": mlp, "full": attn + mlp}
+        mode = self.w.checkpointing
+        layer.saved = kept[mode]
+        fwd, work = self.mlp_work(moe)
         heads = n * self.heads * c.qk_head_dim * a  # attention's q/k/v-sized temporaries
         if attention is None:
             attention = (0, 3 * heads + (self.sparse_work() if indexer else 0), 5 * heads)
@@ -474,8 +491,8 @@ class _Shapes:
 
 SHAPES: dict[str, type[_Shapes]] = {}
 """Family name -> the sizes of its layers where they are not the DeepSeek-V3 family's (`_Shapes`): v4.py
-registers DeepSeek-V4's, kimi_linear.py Kimi Linear's, imported with the package (a family the estimate does
-not model refuses `memory_estimate` in its Family record)."""
+registers DeepSeek-V4's, kimi_linear.py Kimi Linear's, glm5_next.py GLM-5.3-Flash's, imported with the package
+(a family the estimate does not model refuses `memory_estimate` in its Family record)."""
 
 
 def shapes_of(w: Workload) -> _Shapes:

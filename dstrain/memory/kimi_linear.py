@@ -36,24 +36,17 @@ import dataclasses
 
 from dstrain.model.common.kda import CHUNK
 
-from .estimate import SHAPES, Layer, Workload, _Shapes
+from .estimate import SHAPES, Layer, _Shapes
 
 
-class KimiLinearShapes(_Shapes):
-    """Parameter and activation sizes of one rank's Kimi Linear layers."""
+class KdaSizes(_Shapes):
+    """A KDA layer's sizes on one rank (parameters, stored base, activations): Kimi Linear's and GLM-5.3-Flash's
+    (memory/glm5_next.py) layers share them; the config reads transformers' `linear_*` fields."""
 
-    def __init__(self, w: Workload) -> None:
-        super().__init__(w)
-        self.kda_heads = self.cfg.linear_num_heads // self.tp  # a rank's KDA heads (tensor parallelism)
-
-    def block(self, index: int) -> Layer:
-        key = (self.cfg.is_kda_layer(index), self.cfg.is_moe_layer(index))
-        if key not in self._blocks:  # blocks of one kind have the same sizes
-            self._blocks[key] = self._kda_block(key[1]) if key[0] else self._block(key[1])
-        block = self._blocks[key]
-        return dataclasses.replace(
-            block, name=f"block {index}", tensors=list(block.tensors), stored=list(block.stored)
-        )
+    @property
+    def kda_heads(self) -> int:
+        """A rank's KDA heads (tensor parallelism keeps whole heads)."""
+        return self.cfg.linear_num_heads // self.tp
 
     # parameters --------------------------------------------------------------------------------------------
     def kda_tensors(self) -> tuple[list[int], int]:
@@ -66,23 +59,15 @@ class KimiLinearShapes(_Shapes):
         out = [d * inner] * 3 + [inner * taps] * 3 + [d * dk, dk * inner, h, inner, d * h, d * dk, dk * inner]
         return out + [dk, inner * d], inner + dk
 
-    def _kda_block(self, moe: bool) -> Layer:
+    def store_kda(self, layer: Layer, moe: bool) -> None:
+        """A KDA block's weights a stored base holds: the MLP's linears and the experts as V3's; KDA's stay
+        parameters."""
         c, d = self.cfg, self.cfg.hidden_size
-        tensors, vectors = self.kda_tensors()
-        layer = Layer("block", tensors=[d, d, *tensors], vectors=2 * d + vectors)
-        if moe:
-            shared = c.moe_intermediate_size * c.n_shared_experts // self.tp
-            layer.tensors += [c.n_routed_experts * d] + ([d * shared] * 3 if shared else [])
-            layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
-        else:
-            layer.tensors += [d * c.intermediate_size // self.tp] * 3
-        if self.w.stored is not None:  # the MLP's linears and the experts as V3's; KDA's stay parameters
+        if self.w.stored is not None:
             width = c.moe_intermediate_size * c.n_shared_experts if moe else c.intermediate_size
             kind = "shared" if moe else "mlp"
             mats = [(kind, width // self.tp, d)] * 2 + [(kind, d, width // self.tp)] if width else []
             layer.stored, layer.experts_stored = self.w.stored.linears(c, mats, self.ep if moe else 0)
-        self.block_activations(layer, moe, attention=self.kda_activations())
-        return layer
 
     # activations -------------------------------------------------------------------------------------------
     def kda_activations(self) -> tuple[int, int, int]:
@@ -94,9 +79,13 @@ class KimiLinearShapes(_Shapes):
         heads = h // sp  # heads of the chunked rule, over whole rows
         chunks = -(-rows // CHUNK)
         r = b * chunks * CHUNK * heads  # (token, head) pairs of the chunked rule, padded
-        # input_layernorm and its output (the projections' input), f_a's and g_a's outputs; the forget gate
-        # (exp, log input, softplus: fp32, its where-mask); beta's sigmoid (bf16: and its fp32 copy)
-        out = self.norm(d) + n * d * a + 2 * n * dk * a + n * inner * 13 + n * h * (a + (4 if a == 2 else 0))
+        # input_layernorm and its output (the projections' input), f_a's and g_a's outputs; the forget gate in
+        # fp32: Kimi's softplus form its exp, log input, softplus and where-mask, the bounded form (GLM's,
+        # `linear_lower_bound`) the product's input and the sigmoid; beta's sigmoid (bf16: and its fp32 copy)
+        gate = 13 if getattr(c, "linear_lower_bound", None) is None else 8
+        out = (
+            self.norm(d) + n * d * a + 2 * n * dk * a + n * inner * gate + n * h * (a + (4 if a == 2 else 0))
+        )
         # q, k, v: the convolution's input and output (K - 1 longer), the fp32 SiLU output of q and k, their
         # norms, the normalised q and k
         conv = b * heads * dk * (rows + taps - 1) * a
@@ -114,6 +103,28 @@ class KimiLinearShapes(_Shapes):
         # to the decays and to its broadcast product at once (measured: 2.0-2.1 x the decays' size)
         pair = r * CHUNK * dk * 4
         return out, 3 * n * inner * 4, 2 * pair
+
+
+class KimiLinearShapes(KdaSizes):
+    """Parameter and activation sizes of one rank's Kimi Linear layers."""
+
+    def block(self, index: int) -> Layer:
+        key = (self.cfg.is_kda_layer(index), self.cfg.is_moe_layer(index))
+        if key not in self._blocks:  # blocks of one kind have the same sizes
+            self._blocks[key] = self._kda_block(key[1]) if key[0] else self._block(key[1])
+        block = self._blocks[key]
+        return dataclasses.replace(
+            block, name=f"block {index}", tensors=list(block.tensors), stored=list(block.stored)
+        )
+
+    def _kda_block(self, moe: bool) -> Layer:
+        d = self.cfg.hidden_size
+        tensors, vectors = self.kda_tensors()
+        layer = Layer("block", tensors=[d, d, *tensors], vectors=2 * d + vectors)
+        self.add_ffn(layer, moe)
+        self.store_kda(layer, moe)
+        self.block_activations(layer, moe, attention=self.kda_activations())
+        return layer
 
 
 SHAPES["kimi_linear"] = KimiLinearShapes

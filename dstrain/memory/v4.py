@@ -34,7 +34,40 @@ from dstrain.model.deepseek_v4.config import CSA, SLIDING
 from .estimate import SHAPES, Layer, Workload, _Shapes
 
 
-class V4Shapes(_Shapes):
+class MhcSizes(_Shapes):
+    """mHC's sizes on one rank (model/common/mhc.py: `hc_mult` residual streams, a HyperConnection per
+    sublayer, replicated under tensor parallelism): DeepSeek-V4's and GLM-5.3-Flash's (memory/glm5_next.py)
+    blocks share them."""
+
+    def streams(self) -> int:
+        """Bytes of the residual streams of the micro batch (what a pipeline stage sends)."""
+        return self.n * self.cfg.hc_mult * self.cfg.hidden_size * self.a
+
+    def boundary_width(self) -> int:
+        return self.cfg.hc_mult * self.cfg.hidden_size
+
+    def hc_tensors(self) -> tuple[list[int], int]:
+        """(elements of a block's two HyperConnections' tensors: fn, base, scale each; of the 1-D ones)."""
+        d, n = self.cfg.hidden_size, self.cfg.hc_mult
+        mix = (2 + n) * n
+        return [mix * n * d, mix, 3] * 2, 2 * (mix + 3)
+
+    def hc_saved(self) -> tuple[int, int]:
+        """One sublayer's mHC -> (what its weights keep, recomputed under 'mhc'; what stays: the streams'
+        fp32 product with pre in collapse is not kept, its output is)."""
+        c, n = self.cfg, self.n
+        flat, k = n * c.hc_mult * c.hidden_size, c.hc_mult
+        # each Sinkhorn iteration's two divisions keep their (n x n) numerator and (n) denominator
+        sinkhorn = 2 * c.hc_sinkhorn_iters * n * (k * k + k) * 4
+        weights = flat * (4 + (4 if self.a == 2 else 0)) + sinkhorn + 2 * n * (2 + k) * k * 4
+        return weights, self.streams() + n * c.hidden_size * self.a + n * (k + k * k) * 4
+
+    def hc_mixing(self) -> int:
+        """expand's fp32 mixing of the streams (a forward temporary; three of them in its backward)."""
+        return 2 * self.n * self.cfg.hc_mult * self.cfg.hidden_size * 4
+
+
+class V4Shapes(MhcSizes):
     """Parameter and activation sizes of one rank's DeepSeek-V4 layers."""
 
     def __init__(self, w: Workload) -> None:
@@ -45,13 +78,6 @@ class V4Shapes(_Shapes):
         self.shared = self.cfg.moe_intermediate_size // self.tp
 
     # parameters --------------------------------------------------------------------------------------------
-    def streams(self) -> int:
-        """Bytes of the residual streams of the micro batch (what a pipeline stage sends)."""
-        return self.n * self.cfg.hc_mult * self.cfg.hidden_size * self.a
-
-    def boundary_width(self) -> int:
-        return self.cfg.hc_mult * self.cfg.hidden_size
-
     def compressor(self, dim: int, rate: int, overlap: bool) -> list[int]:
         width = 2 * dim if overlap else dim
         d = self.cfg.hidden_size
@@ -84,12 +110,11 @@ class V4Shapes(_Shapes):
         )
 
     def _block(self, index: int) -> Layer:
-        c, d, n = self.cfg, self.cfg.hidden_size, self.cfg.hc_mult
+        c, d = self.cfg, self.cfg.hidden_size
         attention, vectors = self.attention_tensors(index)
-        mix = (2 + n) * n
-        hc = [mix * n * d, mix, 3] * 2  # the attention's and the FFN's mHC: fn, base, scale
+        hc, hc_vectors = self.hc_tensors()  # the attention's and the FFN's mHC
         moe = [c.n_routed_experts * d, *[d * self.shared] * 3]  # router, shared expert
-        layer = Layer("block", tensors=[d, d, *attention, *hc, *moe], vectors=2 * d + vectors + 2 * (mix + 3))
+        layer = Layer("block", tensors=[d, d, *attention, *hc, *moe], vectors=2 * d + vectors + hc_vectors)
         layer.experts = 3 * (c.n_routed_experts // self.ep) * d * c.moe_intermediate_size
         self.store_v4(layer, index)
         self.activations(layer, index)
@@ -159,16 +184,6 @@ class V4Shapes(_Shapes):
         c = self.cfg
         flat = self.n * c.hc_mult * c.hidden_size
         return flat * (self.a + 4 + (4 if self.a == 2 else 0)) + self.v4_norm(c.hidden_size)
-
-    def hc_saved(self) -> tuple[int, int]:
-        """One sublayer's mHC -> (what its weights keep, recomputed under 'mhc'; what stays: the streams'
-        fp32 product with pre in collapse is not kept, its output is)."""
-        c, n = self.cfg, self.n
-        flat, k = n * c.hc_mult * c.hidden_size, c.hc_mult
-        # each Sinkhorn iteration's two divisions keep their (n x n) numerator and (n) denominator
-        sinkhorn = 2 * c.hc_sinkhorn_iters * n * (k * k + k) * 4
-        weights = flat * (4 + (4 if self.a == 2 else 0)) + sinkhorn + 2 * n * (2 + k) * k * 4
-        return weights, self.streams() + n * c.hidden_size * self.a + n * (k + k * k) * 4
 
     def entries(self, index: int) -> int:
         """Compressed entries of the whole rows of layer `index` (sequence parallelism gathers them)."""
@@ -241,13 +256,10 @@ class V4Shapes(_Shapes):
         # forward: the running block of scores (the scores, masked, concatenated and the softmax), the
         # indexer's (B, T, heads, entries) beyond what it keeps (frozen: two at a time, learning: one), the
         # experts' rows, expand's fp32 mixing
-        rows_fwd = rows * (2 * d + 3 * inter) * a + n * d * 4
-        if self.ep > 1:
-            rows_fwd += 2 * rows * d * a
-        mixing = 2 * n * c.hc_mult * d * 4
+        rows_fwd, work = self.mlp_work(True)
+        mixing = self.hc_mixing()
         index_fwd = (1 if learns else 2) * scores
         fwd = max(4 * block, index_fwd, rows_fwd, mixing)
-        work = rows * (2 * d + 6 * inter) * a + (2 * rows * d * a if self.ep > 1 else 0)
         bwd = max(4 * block + 2 * n * h * hd * 4, 3 * scores if learns else 0, work, 3 * mixing)
         linear, held, peak = self.dequantized(layer, True)
         layer.forward = max(fwd, rows_fwd + held, peak, linear)

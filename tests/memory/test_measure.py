@@ -2,8 +2,8 @@
 peak measured on this machine: launch/bench_plan.py's measurement on 2 ranks (in the test session's pool,
 tests/memory/worker.py) trains every layout there (ZeRO-1/2/3, PP2, TP2, EP2, with and without activation
 checkpointing, fp32 and bf16) under the allocation tracker; every rank's prediction is within 15% of its
-measured peak; DeepSeek-V4 and Kimi Linear likewise on one rank (tests/memory/worker.py V4_LAYOUTS,
-KIMI_LAYOUTS)."""
+measured peak; DeepSeek-V4, Kimi Linear and GLM-5.3-Flash likewise on one rank (tests/memory/worker.py
+V4_LAYOUTS, KIMI_LAYOUTS, GLM_LAYOUTS)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,19 @@ def test_kimi_linear_predicted_peak_is_within_15_percent_of_the_measured_one(ran
     errors = {name: r["predicted"] / r["measured"] - 1 for name, r in per_rank[0].items()}
     print(table(per_rank))
     assert set(errors) == set(KIMI_LAYOUTS) and max(abs(e) for e in errors.values()) <= 0.15, table(per_rank)
+
+
+@pytest.mark.multirank
+def test_glm5_next_predicted_peak_is_within_15_percent_of_the_measured_one(rank_pools):
+    """GLM-5.3-Flash (tests/memory/worker.py's glm_config: mHC streams, KDA with the bounded gate, DSA with the
+    k-pool indexer learning, shared selection, clamped MoE, MTP) on one rank, measured as bench_plan measures,
+    in bf16 with full checkpointing."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from bench_plan import table
+
+    from tests.memory.worker import GLM_LAYOUTS
+
+    per_rank = rank_pools.run(1, "tests.memory.worker:measured_glm", list(GLM_LAYOUTS), timeout=300)
+    errors = {name: r["predicted"] / r["measured"] - 1 for name, r in per_rank[0].items()}
+    print(table(per_rank))
+    assert set(errors) == set(GLM_LAYOUTS) and max(abs(e) for e in errors.values()) <= 0.15, table(per_rank)

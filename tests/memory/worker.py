@@ -68,3 +68,31 @@ def measured_kimi(info, names: list[str]) -> dict:  # noqa: ANN001
     from bench_plan import measure
 
     return measure(info, names, kimi_config(), KIMI_LAYOUTS)
+
+
+GLM_LAYOUTS = {  # name -> flags (1 rank): one layout, bf16 with full checkpointing, to keep the suite's time
+    # (docs/memory.md gives ZeRO-1 fp32 without checkpointing too; the saved activations in both modes:
+    # test_glm5_next_estimate.py)
+    "GLM-5.3-Flash ZeRO-2 bf16 full": "--config zero2 --precision bf16 --activation_checkpointing full",
+}
+
+
+def glm_config():  # noqa: ANN201 - a dstrain Glm5NextConfig
+    """The tiny-glm5-next preset (KDA + dense, DSA full + MoE, DSA shared + MoE, KDA + MoE, MTP) scaled up (hidden
+    128, 4 streams, 2 KDA heads of 64, 8 experts of 64) so that its activations make the peak: at bench_plan's
+    2 x 256 tokens a DSA query attends 16 pools of 4 and its tail (67 of 256 keys)."""
+    from dstrain.model import get_config
+
+    return get_config("tiny-glm5-next").replace(
+        vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, kv_lora_rank=64,
+        q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=64, linear_num_heads=2, hc_mult=4,
+        index_topk=64, index_head_dim=32, max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+def measured_glm(info, names: list[str]) -> dict:  # noqa: ANN001
+    """bench_plan.measure of the GLM-5.3-Flash model's layouts on this rank."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from bench_plan import measure
+
+    return measure(info, names, glm_config(), GLM_LAYOUTS)

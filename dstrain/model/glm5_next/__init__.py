@@ -41,8 +41,6 @@ FAMILY = Family(
     unsupported={
         "sp": f"sequence parallelism (KDA's state, the k-pool indexer over whole rows) is not built {_NOT_YET}",
         "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's blocks) {_NOT_YET}",
-        "memory_estimate": "the memory estimate does not model GLM-5.3-Flash yet (mHC streams, KDA's state); "
-        "its parameters are `dstrain.model.param_counts`",
     },
 )
 
