@@ -32,6 +32,10 @@ class Context:
 class DSAttention(LatentProjections):
     # Tensor parallelism (dstrain.parallel.tp): sums the indexer's target over the ranks holding the other heads
     head_sum: Any = None
+    # Sequence parallelism (dstrain.parallel.sp): the indexer over whole rows (its inputs gathered, every rank
+    # selecting alike, the target's per-pool mass summed over the group's heads), attention for heads / sp heads
+    # over whole rows (all-to-alls), the output back to this rank's tokens
+    seq_parallel: Any = None
 
     def __init__(self, cfg: Glm5NextConfig, layer_idx: int) -> None:
         super().__init__(cfg)
@@ -48,19 +52,24 @@ class DSAttention(LatentProjections):
         self.sparse = SparseSettings(layer_idx, cfg.indexer_source(layer_idx))
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """x (B, T, D) this rank's tokens -> (B, T, D); `ctx` over whole rows under sequence parallelism."""
         b, t, _ = x.shape
         q, qr, k, _, v = self.project(x)  # the shared key part is empty (NoPE)
-        layout, settings = ctx.layout, self.sparse
+        layout, settings, sp = ctx.layout, self.sparse, self.seq_parallel
+        head_sum = self.head_sum
+        if sp is not None:  # (B, T / sp, H, d) -> (B, T, H / sp, d): whole rows, a slice of the heads
+            q, k, v = (sp.to_heads(z) for z in (q, k, v))
+            head_sum = sp.sum
         if self.indexer is None:
             keys = layout.selections[settings.source]
             out = attend(q, k, v, self.scale, layout, None if settings.dense else keys)
-            return self.o_proj(out.reshape(b, t, -1))
-        iq, pk, iw = self.indexer(x.detach(), qr.detach(), ctx.pools)
+            return self._output(out, b, t)
+        iq, pk, iw = self.indexer(x.detach(), qr.detach(), ctx.pools, sp)
         measure = settings.loss or not self.training
         trains = torch.is_grad_enabled() and any(p.requires_grad for p in self.indexer.parameters())
         grads = measure and settings.loss and trains
         sparse_loss = not settings.dense and torch.is_grad_enabled()
-        target = (q.detach(), k.detach(), self.scale, sparse_loss, self.head_sum) if measure else None
+        target = (q.detach(), k.detach(), self.scale, sparse_loss, head_sum) if measure else None
         result = select(iq, pk, iw, ctx.pools, self.cfg.index_topk, target, layout.real_rows, grads)
         out = attend(q, k, v, self.scale, layout, None if settings.dense else result.keys)
         layout.selections[settings.layer] = result.keys
@@ -68,8 +77,13 @@ class DSAttention(LatentProjections):
             layout.stats[settings.layer] = result.stats
         if result.grads is not None:
             factor = settings.grad_scale
-            if factor is None:  # the mean over the forward's real queries
+            if factor is None:  # the mean over the forward's real queries (the whole rows')
                 real = layout.real_rows
-                factor = 1.0 / (real.sum().clamp(min=1) if real is not None else b * t)
+                factor = 1.0 / (real.sum().clamp(min=1) if real is not None else iq.shape[0] * iq.shape[1])
             out = inject(out, factor, (iq, pk, iw), result.grads)
+        return self._output(out, b, t)
+
+    def _output(self, out: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        if self.seq_parallel is not None:
+            out = self.seq_parallel.to_tokens(out)
         return self.o_proj(out.reshape(b, t, -1))

@@ -15,6 +15,10 @@ distribution is softmax(I) over the same pools; the loss KL(target || indexer) p
 empty, summed. The indexer's inputs are detached, and its KL gradient (computed here, with respect to q, the
 pool keys and w) is injected as dsa.inject does for V3.2's indexer; the pool keys carry it on by autograd to
 wk, k_norm and the compression parameters. All in torch, by blocks of query rows (no (T, T) per head kept).
+
+Sequence parallelism: each token's parts (q, key, compression gate, w) are computed on its rank and gathered to
+whole rows, the pools (from the whole rows' positions) built there, and every rank selects alike; the target's
+per-pool mass is summed over the group's heads (`head_sum`, as over tensor-parallel ranks).
 """
 
 from __future__ import annotations
@@ -90,23 +94,58 @@ class PoolIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(dim, hidden_size))
 
     def forward(
-        self, x: torch.Tensor, qr: torch.Tensor, pools: Pools
+        self, x: torch.Tensor, qr: torch.Tensor, pools: Pools, seq_parallel: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, D), qr (B, T, q_lora_rank) -> q (B, T, heads, dim), pool keys (B, P, dim), w (B, T, heads)
-        fp32 (the head weights times heads^-1/2)."""
+        fp32 (the head weights times heads^-1/2). Under sequence parallelism x and qr are this rank's slice,
+        `pools` the whole rows': each token's parts are computed locally and gathered to whole rows
+        (`gather_rows`: every rank selects alike, the gradient of its own slice is its part), the pools built
+        on the whole rows."""
+        q, k, gate, w = self.token_parts(x, qr)
+        ape = self.index_kpool_compress_ape
+        if seq_parallel is not None:
+            q, k, gate, w = (seq_parallel.gather_rows(z) for z in (q, k, gate, w))
+            ape = _CountedOnce.apply(ape, seq_parallel.rank == 0)
+        return q, self.pool_keys(k, gate, ape, pools), w
+
+    def token_parts(
+        self, x: torch.Tensor, qr: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's own parts: q (B, T, heads, dim), its normalised key (B, T, dim), its compression gate
+        logits (B, T, dim) and w (B, T, heads) fp32."""
         b, t, _ = x.shape
         q = self.wq_b(qr).view(b, t, self.n_heads, self.head_dim)
         k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
                          self.k_norm.eps).to(x.dtype)  # fmt: skip
         gate = F.linear(x, self.index_kpool_compress_gate.to(x.dtype))
-        rows = torch.arange(b, device=x.device)[:, None, None]
-        logits = gate[rows, pools.token].float() + self.index_kpool_compress_ape.float()
+        w = self.weights_proj(x)
+        return q, k, gate, w.to(torch.promote_types(w.dtype, torch.float32)) * self.n_heads**-0.5
+
+    @staticmethod
+    def pool_keys(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, pools: Pools) -> torch.Tensor:
+        """The pools' keys (B, P, dim): per channel, the softmax over the pool's tokens of gate + ape[slot]."""
+        b = k.shape[0]
+        rows = torch.arange(b, device=k.device)[:, None, None]
+        logits = gate[rows, pools.token].float() + ape.float()
         logits = logits.masked_fill(~pools.slot.unsqueeze(-1), float("-inf"))
         # an unused pool slot of the row has no token: 0 weights, not softmax's NaN
         probs = torch.where(pools.slot.any(-1)[..., None, None], logits.softmax(dim=2), 0.0).to(k.dtype)
-        pool_k = (probs * k[rows, pools.token]).sum(dim=2)
-        w = self.weights_proj(x)
-        return q, pool_k, w.to(torch.promote_types(w.dtype, torch.float32)) * self.n_heads**-0.5
+        return (probs * k[rows, pools.token]).sum(dim=2)
+
+
+class _CountedOnce(torch.autograd.Function):
+    """Identity; in backward the gradient on the sequence-parallel group's first rank, 0 on the others: a
+    parameter that every rank of the group uses alike on whole rows (the pools' position bias) gets its
+    gradient once when the group's gradients are summed, as the per-token parameters do from their slices."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: bool) -> torch.Tensor:  # noqa: ANN001
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
 
 
 @dataclass

@@ -10,6 +10,8 @@ three short convolutions, the forget gate's tensors directly under `self_attn`) 
 folder holds it as layer `num_hidden_layers`): GLM-5's form per stream, eh_proj([enorm(embedding of the token k
 ahead), hnorm(stream)]), one DSA + MoE block with its own indexer, the mean collapse, `shared_head.norm`, the
 shared head. Packed rows: KDA restarts at each document, DSA attends within it and pools from its start.
+Sequence parallelism (dstrain/parallel/sp.py): each rank embeds, mixes streams and routes its slice of every row;
+KDA and DSA work over whole rows for a slice of the heads (the k-pool indexer over whole rows on every rank).
 """
 
 from __future__ import annotations
@@ -107,7 +109,12 @@ class Glm5NextLM(SparseControls, nn.Module):
     """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), indexers(),
     update_expert_bias(), set_activation_checkpointing(), the DSA stages (SparseControls)."""
 
-    seq_parallel: Any = None  # not built for this family (Family.unsupported)
+    # Sequence parallelism (dstrain.parallel.sp) sets this on the model, its KDA, DSA and MoE layers: each rank's
+    # input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it (the targets of its
+    # last positions and MTP's look-ahead inputs); KDA and DSA trade the slice for a slice of the heads over
+    # whole rows, the k-pool indexer runs over whole rows on every rank (its figures the whole rows', alike on
+    # every rank of the group)
+    seq_parallel: Any = None
     indexer_figures_per_slice = False
 
     def __init__(self, cfg: Glm5NextConfig) -> None:
@@ -163,9 +170,15 @@ class Glm5NextLM(SparseControls, nn.Module):
         return embedded.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
 
     def context(self, position_ids: torch.Tensor | None, b: int, t: int, device: torch.device) -> Context:
-        layout = attention_layout(position_ids, b, t, device)
-        starts = None if layout.causal_only else document_starts(position_ids)
-        pools = make_pools(position_ids, b, t, self.config.index_kpool, device)
+        """Position ids of this forward's `t` tokens -> the context: the layout, KDA's document starts and the
+        k-pools over whole rows (the sequence-parallel group's slices gathered), `real` this forward's tokens."""
+        sp, whole, n = self.seq_parallel, position_ids, t
+        if sp is not None:
+            pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(b, t)
+            whole, n = sp.gather(pos), t * sp.size
+        layout = attention_layout(whole, b, n, device)
+        starts = None if layout.causal_only else document_starts(whole)
+        pools = make_pools(whole, b, n, self.config.index_kpool, device)
         return Context(layout, starts, pools, real_tokens(position_ids))
 
     def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor) -> tuple[Context]:
@@ -188,8 +201,14 @@ class Glm5NextLM(SparseControls, nn.Module):
         """input_ids (B, T); position_ids (B, T) restarting at 0 per packed document (-1: padding); labels
         (B, T) unshifted, -100 not a target; `token_losses`: each position's cross-entropy too (DPO)."""
         b, t = input_ids.shape
-        ctx = self.context(position_ids, b, t, input_ids.device)
-        streams = self.streams_of(self.embed_tokens(input_ids))
+        local_pos = position_ids
+        if self.seq_parallel is not None:
+            t -= self.halo  # this rank's tokens; the halo only feeds targets and MTP's look-ahead inputs
+            if position_ids is None:
+                position_ids = torch.arange(t + self.halo, device=input_ids.device).expand(b, -1)
+            local_pos = position_ids[:, :t]
+        ctx = self.context(local_pos, b, t, input_ids.device)
+        streams = self.streams_of(self.embed_tokens(input_ids[:, :t]))
         aux, loads = None, []
         for block in self.layers:
             streams, block_aux, load = self.run_block(block, streams, ctx)
