@@ -92,7 +92,6 @@ class Embed(nn.Module):
         self.embed_tokens = lm.embed_tokens
         self.depth = len(lm.mtp)
         self.load_shape = (len(_main_moe_rows(lm)), lm.config.n_routed_experts or 0)
-        self.topk = getattr(lm.config, "index_topk", None) or 0  # sparse attention's, where the family has it
         self.acts = acts
         object.__setattr__(self, "_lm", lm)
 
@@ -108,7 +107,10 @@ class Embed(nn.Module):
             h = self._lm.streams_of(ext[:, :t].contiguous())
         else:
             h = _grad_carrying(self._lm.streams_of(self.embed_tokens(input_ids)))
-        sel = torch.zeros(*input_ids.shape, min(self.topk, t), dtype=torch.int64, device=input_ids.device)
+        sel = None
+        if self.acts.has_sel:  # a shared sparse-attention layer's selection, from the model's own width
+            width = self._lm.selection_width(t)
+            sel = torch.zeros(*input_ids.shape, width, dtype=torch.int64, device=input_ids.device)
         return self.acts.pack(h, pos, aux, load, ext, sel, input_ids)
 
 
@@ -132,9 +134,14 @@ class BlockLayer(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, pos, aux, load, ext, sel, ids = self.acts.unpack(inputs)
         ctx = self._ctx(pos, ids)
-        layout = ctx[-1]  # (rope, layout), or DeepSeek-V4's inputs: where the indexers' figures go
+        layout = ctx[
+            -1
+        ]  # (rope, layout), V4's inputs, GLM-5.3-Flash's context: where the indexers' figures go
         sparse = getattr(self.block.self_attn, "sparse", None)  # linear attention (KDA) has no key selection
-        if sel is not None and sparse.source != self.index:  # a shared layer: the latest full one's keys
+        shared = (
+            sparse is not None and sparse.source != self.index
+        )  # a shared layer: the latest full one's keys
+        if sel is not None and shared:
             layout.selections.setdefault(sparse.source, sel)
         h, block_aux, block_load = self._lm.run_block(self.block, h, *ctx)
         if block_aux is not None:

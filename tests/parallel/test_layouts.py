@@ -41,7 +41,7 @@ TWO_LORA = ["ep2_lora"]  # LoRA on every kind of target, the routed experts' spl
 TWO_DSA = ["dsa_z3", "dsa_pp2", "glm_pp2", "dsa_tp2", "dsa_ep2", "dsa_sp2"]
 # DeepSeek-V4, the CSA indexer in its sparse stage (launched with DSA's)
 TWO_V4 = ["v4_z3", "v4_ep2", "v4_pp2", "v4_sp2", "v4_tp2"]
-TWO_GLM5N = ["glm5n_ep2", "glm5n_tp2", "glm5n_sp2"]  # GLM-5.3-Flash (launched with DSA's)
+TWO_GLM5N = ["glm5n_ep2", "glm5n_tp2", "glm5n_sp2", "glm5n_pp2"]  # GLM-5.3-Flash (launched with DSA's)
 TWO_KIMI = ["kimi_ep2", "kimi_tp2", "kimi_pp2", "kimi_sp2"]  # Kimi Linear (launched with DSA's)
 BF16 = ["pp2_bf16", "tp2_bf16", "ep2_bf16"]  # against dp2_bf16
 TWO_MUON = ["muon_z0", "muon_z1", "muon_z2", "muon_z3", "muon_ep2", "muon_pp2", "muon_sp2", "muon_ep2_lora"]

@@ -93,6 +93,7 @@ LAYOUTS = {  # name -> flags
     # GLM-5.3-Flash (KDA + k-pool DSA + mHC + MoE + MTP), the indexer in its sparse stage
     "glm5n_ep2": f"--config zero2 --ep 2 {DSA}",
     "glm5n_tp2": f"--config zero1 --tp 2 {DSA}",
+    "glm5n_pp2": f"--config zero1 --pp 2 {DSA}",
     "glm5n_sp2": f"--config zero2 --sp 2 {DSA}",
     # Muon (test_layouts.py::test_muon_layouts_match_one_process): whole parameters (ZeRO-0), flat ZeRO
     # slices gathered per matrix, experts per EP rank, pipeline stages, sequence-parallel ranks; LoRA factors
@@ -126,6 +127,7 @@ LAYOUTS = {  # name -> flags
 NO_SAME_LAYOUT_RESUME = (
     "glm5n_ep2",
     "glm5n_tp2",
+    "glm5n_pp2",
     "glm5n_sp2",
     "v4_z3",
     "v4_ep2",

@@ -212,6 +212,11 @@ class DeepSeekLM(SparseControls, nn.Module):
         layout.real = real_tokens(position_ids)  # this rank's tokens (padding: no token)
         return self._rope(pos), layout
 
+    def selection_width(self, t: int) -> int:
+        """Keys of a shared sparse-attention selection over rows of `t` tokens (what a pipeline stage sends on to
+        a later shared layer)."""
+        return min(self.config.index_topk or 0, t)
+
     def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> tuple:
         """What a pipeline stage's blocks and `finish` read besides the hidden states: (rope, layout)."""
         b, t = position_ids.shape

@@ -16,7 +16,6 @@ from .model import Glm5NextLM
 from .presets import PRESETS
 from .state_dict import keeps_fp32, open_folder, peft_keys, to_hf, vision_tensors, write_config
 
-_NOT_YET = "for GLM-5.3-Flash yet; it trains with data, expert, tensor and sequence parallelism"
 FAMILY = Family(
     name="glm5_next",
     config=Glm5NextConfig,
@@ -38,9 +37,6 @@ FAMILY = Family(
     # KDA's q, k, v projections, MLA's query and key/value up-projections, both layers' output, the shared
     # experts (the MTP block's too)
     lora_targets=("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),
-    unsupported={
-        "pp": f"pipeline parallelism is not built (its stages assume DeepSeek-V3's blocks) {_NOT_YET}",
-    },
 )
 
 __all__ = ["FAMILY", "Glm5NextConfig", "Glm5NextLM"]

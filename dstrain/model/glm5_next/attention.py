@@ -28,6 +28,15 @@ class Context:
     real: torch.Tensor | None
     """(B, T) bool: the positions that hold a token (the routers' counts; MTP: pairs), None: all."""
 
+    # where a pipeline stage (dstrain.parallel.pipe) finds the selections it sends on and the indexers' figures
+    @property
+    def selections(self) -> dict:
+        return self.layout.selections
+
+    @property
+    def stats(self) -> dict:
+        return self.layout.stats
+
 
 class DSAttention(LatentProjections):
     # Tensor parallelism (dstrain.parallel.tp): sums the indexer's target over the ranks holding the other heads

@@ -158,6 +158,11 @@ class Selection:
     """d(KL sum)/d(q, pool keys, w)."""
 
 
+def selection_width(topk: int, kpool: int) -> int:
+    """Keys each query's selection holds: its topk // kpool pools' tokens and its own incomplete pool's."""
+    return topk // kpool * kpool + kpool - 1
+
+
 @torch.no_grad()
 def select(
     q: torch.Tensor,
@@ -177,8 +182,10 @@ def select(
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, wf = q.to(work), pool_k.to(work), w.to(work)
     scale = dim**-0.5
-    width = min(topk // kpool, npool)
-    keys = torch.empty(b, t, width * kpool + kpool - 1, dtype=torch.long, device=dev)
+    # every row's selection is width pools wide whatever its pool count (`selection_width`: pipeline stages send
+    # it in a fixed shape); where fewer pools exist, the rest repeat a chosen key
+    width = topk // kpool
+    keys = torch.empty(b, t, selection_width(topk, kpool), dtype=torch.long, device=dev)
     stats = torch.zeros(4, dtype=torch.float64, device=dev)
     dq, dk, dw = (
         (torch.zeros(z.shape, dtype=work, device=dev) for z in (q, pool_k, w)) if grads else (None,) * 3
@@ -196,8 +203,11 @@ def select(
         raw = torch.matmul(qf[:, s:e].reshape(b, c * heads, dim), kf.transpose(1, 2))
         act = raw.view(b, c, heads, npool).mul_(scale).relu_()
         index = torch.matmul(wf[:, s:e].unsqueeze(2), act).squeeze(2).masked_fill(~visible, float("-inf"))
-        top = top_keys(index, width)  # (B, c, width)
+        top = top_keys(index, min(width, npool))  # (B, c, width or all the pools)
         chosen_ok = visible.gather(-1, top)
+        if top.shape[-1] < width:
+            top = torch.cat([top, top[..., :1].expand(-1, -1, width - top.shape[-1])], dim=-1)
+            chosen_ok = F.pad(chosen_ok, (0, width - chosen_ok.shape[-1]))
         pool_tokens = pools.token.gather(
             1, top.flatten(1).unsqueeze(-1).expand(-1, -1, kpool).clamp(max=npool - 1)
         )

@@ -36,7 +36,7 @@ from ..common.mhc import HyperConnection, expand
 from ..common.output import ModelOutput
 from .attention import Context, DSAttention
 from .config import Glm5NextConfig
-from .indexer import make_pools
+from .indexer import make_pools, selection_width
 
 
 class ClampedMoE(MoE):
@@ -184,6 +184,10 @@ class Glm5NextLM(SparseControls, nn.Module):
     def pipeline_context(self, position_ids: torch.Tensor, input_ids: torch.Tensor) -> tuple[Context]:
         b, t = position_ids.shape
         return (self.context(position_ids, b, t, position_ids.device),)
+
+    def selection_width(self, t: int) -> int:
+        """Keys of a shared selection (what a pipeline stage sends on to a later shared DSA layer)."""
+        return selection_width(self.config.index_topk, self.config.index_kpool)
 
     def run_block(self, block: Block, streams: torch.Tensor, ctx: Context):  # noqa: ANN201
         if self.activation_checkpointing == "full" and self.training:
