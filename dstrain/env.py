@@ -50,6 +50,7 @@ def report() -> tuple[list[str], str | None]:
     from dstrain.model import get_config, kernel_paths
     from dstrain.model.common.attention import varlen_kernels
     from dstrain.model.common.dsa import kernel_path as dsa_kernel_path
+    from dstrain.model.common.kda import kernel_path as kda_kernel_path
     from dstrain.model.common.kernels import cpu_bf16_path
 
     lines = [
@@ -86,7 +87,9 @@ def report() -> tuple[list[str], str | None]:
         paths = kernel_paths(cfg, device, dtype)
         lines.append(f"kernels, {name} on {device.type}: " + "; ".join(f"{k}: {v}" for k, v in paths.items()))
         lines.append(f"  sparse attention (V3.2, GLM-5), {name}: {dsa_kernel_path(device, dtype)}")
-    lines.append(f"linear attention (Kimi Linear): {get_config('tiny-kimi-linear').attention_kernel}")
+    lines.append(
+        f"linear attention (KDA: Kimi Linear, GLM-5.3-Flash) on {device.type}: {kda_kernel_path(device)}"
+    )
     lines.append(f"DeepSpeed ops: {_deepspeed_ops()}")
     from dstrain.training.metrics import device_peak_tflops
 

@@ -171,7 +171,7 @@ def test_env_says_a_run_can_start(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "kernels, bf16 on cpu" in out
-    assert "linear attention (Kimi Linear): KDA: chunked delta rule in torch (16-token chunks" in out
+    assert "linear attention (KDA: Kimi Linear, GLM-5.3-Flash) on cpu: dstrain's chunked delta rule" in out
     assert "versions: each in its tested range" in out and out.rstrip().endswith("a run can start")
 
 

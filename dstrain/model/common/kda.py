@@ -13,10 +13,16 @@ the short convolution restart where a document starts (`starts`), so each docume
 
 Memory: the chunked form keeps the pairwise decays exp(G_i - G_j) of each chunk, (C x C x d_k) per chunk and
 head (about C times q's size), the safe form in fp32 (no exp of a positive exponent is ever taken).
+
+On a GPU with flash-linear-attention installed (`pip install flash-linear-attention`, an extra), its Triton
+`chunk_kda` runs the delta rule instead (`fla_kda`; packed rows as its variable-length sequences, `cu_seqlens`):
+the same function, its own chunking and rounding; the torch form otherwise (`kernel_path` names which).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -64,6 +70,56 @@ def _since_start(starts: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(t, device=starts.device).expand_as(starts)
     begin = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
     return idx - begin
+
+
+@functools.cache
+def _fla_chunk_kda() -> Any:
+    """fla's `chunk_kda`, None where flash-linear-attention is not installed (or does not import)."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # noqa: BLE001 - an fla that does not import here (its Triton, its torch) is not used
+        return None
+    return chunk_kda
+
+
+def fla_kernels(device: torch.device) -> bool:
+    """Whether the delta rule runs fla's Triton kernels on `device`: a CUDA device with fla installed."""
+    return device.type == "cuda" and _fla_chunk_kda() is not None
+
+
+def kernel_path(device: torch.device) -> str:
+    """What runs KDA's delta rule on `device` (`dstrain env`, a run's kernel line)."""
+    if fla_kernels(device):
+        return "flash-linear-attention's chunk_kda (Triton; packed rows as its varlen sequences)"
+    why = "" if device.type == "cuda" else "; fla's kernels need a GPU"
+    if device.type == "cuda" and _fla_chunk_kda() is None:
+        why = "; pip install flash-linear-attention for its Triton kernels"
+    return f"dstrain's chunked delta rule in torch ({CHUNK}-token chunks, fp32 state{why})"
+
+
+def fla_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    starts: torch.Tensor | None,
+    chunk_kda: Any = None,
+) -> torch.Tensor:
+    """`kda_chunked`'s result from fla's `chunk_kda` (or `chunk_kda` given: the tests' stand-in), the arguments
+    as kda_chunked takes them (q normalised and scaled). Packed rows: the batch flattened into one sequence cut
+    at every row's and document's start (fla's `cu_seqlens`), so that each document's state starts empty."""
+    chunk_kda = chunk_kda or _fla_chunk_kda()
+    b, t, h, _ = q.shape
+    if starts is None:
+        return chunk_kda(q, k, v, g, beta, scale=1.0)[0]
+    cuts = starts.clone()
+    cuts[:, 0] = True  # every row starts a sequence
+    bounds = torch.cat([cuts.flatten().nonzero().flatten(), cuts.new_tensor([b * t], dtype=torch.long)])
+    flat = (z.reshape(1, b * t, *z.shape[2:]) for z in (q, k, v, g, beta))
+    return chunk_kda(*flat, scale=1.0, cu_seqlens=bounds)[0].view(b, t, h, -1)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -273,6 +329,8 @@ class KDA(nn.Module):
         q, k = l2norm(q) * self.head_dim**-0.5, l2norm(k)
         if recurrent:
             o = kda_recurrent(q, k, v, g, beta, starts)
+        elif fla_kernels(q.device):
+            o = fla_kda(q, k, v, g, beta, starts).float()
         else:
             o = kda_chunked(q, k, v, g, beta, starts, self.chunk)
         o = o.to(x.dtype) if sp is None else sp.to_tokens(o.to(x.dtype))

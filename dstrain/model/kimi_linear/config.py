@@ -178,8 +178,8 @@ class KimiLinearConfig:
     def attention_kernel(self) -> str:
         """What runs the attention layers (dstrain env, a run's first lines)."""
         return (
-            f"KDA: chunked delta rule in torch ({CHUNK}-token chunks, fp32 state; flash-linear-attention's "
-            "kernels not used); MLA: dstrain's attention kernels"
+            f"KDA: chunked delta rule in torch ({CHUNK}-token chunks, fp32 state), flash-linear-attention's "
+            "chunk_kda on a GPU where installed (dstrain env); MLA: dstrain's attention kernels"
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -74,6 +74,38 @@ def test_packed_documents_restart_the_state() -> None:
         begin += n
 
 
+def fla_stand_in(q, k, v, g, beta, scale=None, cu_seqlens=None, **_):  # noqa: ANN001, ANN201
+    """fla's chunk_kda as its documentation states it, for the dispatch's plumbing (fla's kernels need a GPU): q
+    times `scale` (default d_k^-1/2), with `cu_seqlens` a batch of one cut into independent sequences; -> (o,
+    None)."""
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if cu_seqlens is None:
+        return kda_recurrent(q, k, v, g, beta), None
+    assert q.shape[0] == 1, "fla's varlen form takes one flattened sequence"
+    cuts = cu_seqlens.tolist()
+    parts = [
+        kda_recurrent(*(z[:, a:e] for z in (q, k, v, g, beta)))
+        for a, e in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    return torch.cat(parts, dim=1), None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fla_dispatch_computes_the_torch_form(packed: bool) -> None:
+    """On a GPU with fla installed the delta rule runs fla's chunk_kda (kda.fla_kda): the arguments handed over
+    as fla takes them (q already scaled: scale 1; packed rows flattened into one sequence cut at every row's
+    and document's start), checked here with a stand-in of fla's documented semantics against kda_chunked."""
+    from dstrain.model.common.kda import fla_kda, kernel_path
+
+    lengths = [40, 90, 20]
+    q, k, v, g, beta = inputs(2, sum(lengths), 2, 16, 16, seed=4)
+    starts = starts_of(lengths, 2) if packed else None
+    got = fla_kda(q, k, v, g, beta, starts, chunk_kda=fla_stand_in)
+    want = kda_chunked(q, k, v, g, beta, starts, chunk=32)
+    assert (got - want).abs().max() <= 1e3 * EPS64 * want.abs().max()
+    assert "fla's kernels need a GPU" in kernel_path(torch.device("cpu"))
+
+
 def random_kda(lower_bound: float | None, a_log_shape: tuple[int, ...], seed: int = 0) -> KDA:
     torch.manual_seed(seed)
     layer = KDA(64, 2, 16, 4, 1e-5, lower_bound, a_log_shape, chunk=16)
