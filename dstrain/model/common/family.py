@@ -39,6 +39,19 @@ def fused_expert_peft_keys(module: str, leaf: str, n_experts: int, prefix: str =
     return [f"{prefix}{module}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
 
 
+def kda_hybrid_peft_keys(key: str, n_experts: int, prefix: str) -> list[str]:
+    """The names transformers' model of a KDA hybrid (Kimi Linear, GLM-5.3-Flash) gives dstrain tensor `key`:
+    dstrain's under `prefix`, but a KDA layer's forget-gate projections under its `forget_gate` module; fused
+    routed experts one key per expert and projection (as PEFT adapter folders write them)."""
+    module, _, leaf = key.rpartition(".")
+    if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
+        return fused_expert_peft_keys(module, leaf, n_experts, prefix)
+    layer, attn, rest = key.partition(".self_attn.")
+    if attn and rest.startswith(("f_a_proj.", "f_b_proj.")):
+        return [f"{prefix}{layer}.self_attn.forget_gate.{rest}"]
+    return [f"{prefix}{key}"]
+
+
 @dataclass(frozen=True)
 class Family:
     name: str

@@ -30,10 +30,11 @@ from ..common.attention import attention_layout
 from ..common.dsa import SparseControls
 from ..common.kda import KDA, document_starts
 from ..common.kernels import Linear
-from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
+from ..common.layers import MLP, MoE, RMSNorm
 from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
 from ..common.mhc import HyperConnection, expand
 from ..common.output import ModelOutput
+from ..common.surface import BlockModelSurface
 from .attention import Context, DSAttention
 from .config import Glm5NextConfig
 from .indexer import make_pools, selection_width
@@ -105,9 +106,11 @@ class MTPLayer(nn.Module):
         return self.eh_proj(torch.cat([e, self.hnorm(streams)], dim=-1))
 
 
-class Glm5NextLM(SparseControls, nn.Module):
+class Glm5NextLM(BlockModelSurface, SparseControls, nn.Module):
     """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), indexers(),
     update_expert_bias(), set_activation_checkpointing(), the DSA stages (SparseControls)."""
+
+    NAME = "GLM-5.3-Flash"
 
     # Sequence parallelism (dstrain.parallel.sp) sets this on the model, its KDA, DSA and MoE layers: each rank's
     # input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it (the targets of its
@@ -130,36 +133,14 @@ class Glm5NextLM(SparseControls, nn.Module):
         self.moe_layer_ids = [i for i in range(n + len(self.mtp)) if cfg.is_moe_layer(i)]
         self.activation_checkpointing = "none"
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def blocks(self) -> list[Block]:
         return [*self.layers, *(m.block for m in self.mtp)]
-
-    def routers(self) -> list[Router]:
-        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
 
     def indexers(self) -> list[nn.Module]:
         return [b.self_attn.indexer for b in self.blocks() if not b.kda and b.self_attn.indexer is not None]
 
     def sparse_settings(self) -> list:  # noqa: ANN201 - SparseControls' (KDA blocks have none)
         return [b.self_attn.sparse for b in self.blocks() if not b.kda]
-
-    def update_expert_bias(self, load: torch.Tensor) -> None:
-        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
-
-    def set_activation_checkpointing(self, mode: str | bool) -> None:
-        """'full' (or True): every block recomputed in backward; 'none' (or False): nothing."""
-        mode = {True: "full", False: "none"}.get(mode, mode)
-        if mode not in ("none", "full"):
-            raise ValueError(f"activation checkpointing {mode!r}: GLM-5.3-Flash runs none or full")
-        self.activation_checkpointing = mode
-
-    def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
-        for block in self.blocks():
-            block.compile(**options)
-        self.lm_head.compile_loss(**options)
 
     @property
     def halo(self) -> int:

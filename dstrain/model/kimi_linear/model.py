@@ -20,9 +20,10 @@ from dstrain.batch import real_tokens, sequence_halo
 
 from ..common.attention import AttentionLayout, attention_layout
 from ..common.kda import KDA, document_starts
-from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
+from ..common.layers import MLP, MoE, RMSNorm
 from ..common.loss import Head, combine_losses, lm_losses
 from ..common.output import ModelOutput
+from ..common.surface import BlockModelSurface
 from .attention import NoPEMLA
 from .config import KimiLinearConfig
 
@@ -55,9 +56,11 @@ class Block(nn.Module):
         return x + self.mlp(h), None, None
 
 
-class KimiLinearLM(nn.Module):
+class KimiLinearLM(BlockModelSurface, nn.Module):
     """The model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(), update_expert_bias(),
     set_activation_checkpointing(), run_block() / finish()."""
+
+    NAME = "Kimi Linear"
 
     # Sequence parallelism (dstrain.parallel.sp): this rank holds a slice of every row (plus the targets' halo);
     # MLA and KDA trade it for a slice of the heads over whole rows (attention.py, common/kda.py)
@@ -76,34 +79,11 @@ class KimiLinearLM(nn.Module):
         self.moe_layer_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.activation_checkpointing = "none"
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def blocks(self) -> list[Block]:
         return list(self.layers)
 
-    def routers(self) -> list[Router]:
-        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
-
     def indexers(self) -> list[nn.Module]:
         return []
-
-    def update_expert_bias(self, load: torch.Tensor) -> None:
-        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
-
-    def set_activation_checkpointing(self, mode: str | bool) -> None:
-        """'full' (or True): every block recomputed in backward; 'none' (or False): nothing."""
-        mode = {True: "full", False: "none"}.get(mode, mode)
-        if mode not in ("none", "full"):
-            raise ValueError(f"activation checkpointing {mode!r}: Kimi Linear runs none or full")
-        self.activation_checkpointing = mode
-
-    def compile_blocks(self, **options) -> None:  # noqa: ANN003 - torch.compile's
-        """Each block compiled on its own, in place (names and state dict unchanged), and the head's loss."""
-        for block in self.blocks():
-            block.compile(**options)
-        self.lm_head.compile_loss(**options)
 
     @property
     def halo(self) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..common.family import fused_expert_peft_keys
+from ..common.family import kda_hybrid_peft_keys
 from ..common.layers import may_start_fresh
 from ..hf import HFReader, Target, checkpoint_files, split_experts
 from .config import KimiLinearConfig
@@ -170,13 +170,5 @@ def write_config(
 
 
 def peft_keys(key: str, cfg: KimiLinearConfig) -> list[str]:
-    """The names transformers' KimiLinearForCausalLM gives dstrain tensor `key`: dstrain's under `model.`, but a
-    KDA layer's forget-gate projections under its `forget_gate` module; fused routed experts one key per
-    expert and projection (as PEFT adapter folders write them)."""
-    module, _, leaf = key.rpartition(".")
-    if leaf in ("gate_up_proj", "down_proj") and module.endswith(".experts"):
-        return fused_expert_peft_keys(module, leaf, cfg.n_routed_experts)
-    layer, attn, rest = key.partition(".self_attn.")
-    if attn and rest.startswith(("f_a_proj.", "f_b_proj.")):
-        return [f"model.{layer}.self_attn.forget_gate.{rest}"]
-    return [f"model.{key}"]
+    """The names transformers' model gives dstrain tensor `key` (PEFT adapter folders' names)."""
+    return kda_hybrid_peft_keys(key, cfg.n_routed_experts, "model.")
