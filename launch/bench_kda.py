@@ -11,7 +11,7 @@ weights (`save_pretrained`), loaded by dstrain (`from_pretrained`), both fp32; d
 (transformers has none). A step: forward with labels, backward, no optimizer. Prints torch's version, the
 threads, the KDA path each side takes (dstrain: its chunked delta rule, `kda.CHUNK` tokens per chunk, fp32
 state; transformers: its torch chunked form, 64-token chunks), the loss of each model on the batch (the same
-computation: their relative difference), the median step time and tokens/s of each, and the median and min
+computation: their relative difference; and the logits' largest difference), the median step time and tokens/s of each, and the median and min
 over rounds of transformers time / dstrain time (> 1: dstrain faster).
 """
 
@@ -88,6 +88,10 @@ def main() -> None:
     ids = torch.randint(
         3, SHAPE["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1)
     )
+    with torch.no_grad():  # the same function: logits within fp32 rounding (the loss of near-uniform logits
+        # at random init agrees to more digits than it shows)
+        want, got = ref(ids[:, :256], use_cache=False).logits, ours(ids[:, :256]).logits
+    print(f"logits: max |difference| {(got - want).abs().max():.2e} of max |logit| {want.abs().max():.2e}")
     theirs, mine = step(ref, ids, True), step(ours, ids, False)
     print(
         f"loss: transformers {theirs:.9f}, dstrain {mine:.9f} (relative difference {abs(mine - theirs) / theirs:.1e})"
