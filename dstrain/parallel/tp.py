@@ -6,7 +6,8 @@ its output is all-reduced. q_a_proj, kv_a_proj_with_mqa and the norms stay repli
 them must be the sum over every head, so it is all-reduced where replicated tensors enter head-local work: the
 inputs of q_b/kv_b, and the shared rotary key k_rope, which leaves kv_a_proj_with_mqa beside the latent and is
 used by every head (DeepSpeed's AutoTP misses this one and trains with wrong gradients).
-DeepSeek-V4's attention: `_split_v4_attention`.
+DeepSeek-V4's attention (`_split_v4_attention`) and Kimi Delta Attention (`_split_kda`) keep a rank's heads the
+same way. Under QAT each split weight's quantizer keeps its slice's block scales (`_weight`).
 MLPs (dense layers and shared experts): gate/up keep rows, down keeps columns, output all-reduced. Routed
 experts and the router stay replicated (shard them with expert parallelism). Sparse attention's indexer stays
 replicated (its inputs are); the KL's target sums the attention probabilities over every rank's heads.
