@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash's layers as the memory estimate sizes them (estimate.py's `_Shapes`, for model/glm5_next): its
+"""GLM-5.3-Flash's layers as the memory estimate sizes them (shapes.py's `Shapes`, for model/glm5_next): its
 parts are sized where they are defined — mHC's streams and weights as DeepSeek-V4's (v4.py `MhcSizes`), the KDA
 layers as Kimi Linear's with the bounded forget gate (kimi_linear.py `KdaSizes`), the DSA layers' NoPE MLA, the
 MoE (one shared expert) and the dense first MLP as the V3 family's (estimate.py). The embedding, the head and
@@ -30,8 +30,8 @@ import dataclasses
 
 from dstrain.model.common.dsa import SCORE_ELEMENTS
 
-from .estimate import SHAPES, Layer
 from .kimi_linear import KdaSizes
+from .shapes import Layer
 from .v4 import MhcSizes
 
 
@@ -145,6 +145,3 @@ class Glm5NextShapes(MhcSizes, KdaSizes):
         grads = 2 * self.streams() + 2 * n * d * a
         layer.backward = recomputed + grads + max(bwd, work + held, peak, linear)
         layer.dequant = (layer.forward - fwd, layer.backward - recomputed - grads - bwd)
-
-
-SHAPES["glm5_next"] = Glm5NextShapes

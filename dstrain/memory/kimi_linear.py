@@ -1,4 +1,4 @@
-"""Kimi Linear's layers as the memory estimate sizes them (estimate.py's `_Shapes`, for model/kimi_linear): its
+"""Kimi Linear's layers as the memory estimate sizes them (shapes.py's `Shapes`, for model/kimi_linear): its
 MLA layers are V3's without rotary embedding (NoPE: the same tensors, no rotation), its MLPs V3's (a dense first
 MLP, then MoE with shared experts), no MTP; what differs is the KDA layer (model/common/kda.py). The embedding,
 the head's cross-entropy, the optimizer, ZeRO and the pipeline are estimate.py's, unchanged.
@@ -36,10 +36,10 @@ import dataclasses
 
 from dstrain.model.common.kda import CHUNK
 
-from .estimate import SHAPES, Layer, _Shapes
+from .shapes import Layer, Shapes
 
 
-class KdaSizes(_Shapes):
+class KdaSizes(Shapes):
     """A KDA layer's sizes on one rank (parameters, stored base, activations): Kimi Linear's and GLM-5.3-Flash's
     (memory/glm5_next.py) layers share them; the config reads transformers' `linear_*` fields."""
 
@@ -125,6 +125,3 @@ class KimiLinearShapes(KdaSizes):
         self.store_kda(layer, moe)
         self.block_activations(layer, moe, attention=self.kda_activations())
         return layer
-
-
-SHAPES["kimi_linear"] = KimiLinearShapes

@@ -62,7 +62,7 @@ def packed(bits: int, group: int | None) -> Form:
 
 
 # The estimate's weight kinds -> a dstrain weight of that kind ({moe}: the first MoE block's index; {csa}:
-# the first CSA block's), per family (estimate.SHAPES's families; the DeepSeek-V3 family's by default).
+# the first CSA block's), per family (estimate.SHAPES's families: the DeepSeek-V3 family's by default).
 KINDS = {
     "attention": "layers.{moe}.self_attn.o_proj.weight",
     "indexer": "layers.{moe}.self_attn.indexer.wq_b.weight",

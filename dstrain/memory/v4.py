@@ -1,4 +1,4 @@
-"""DeepSeek-V4's layers as the memory estimate sizes them (estimate.py's `_Shapes`, for model/deepseek_v4):
+"""DeepSeek-V4's layers as the memory estimate sizes them (shapes.py's `Shapes`, for model/deepseek_v4):
 what differs from the V3 family is the block. The embedding, the head's cross-entropy, the routed experts, the
 optimizer, ZeRO and the pipeline are estimate.py's, unchanged.
 
@@ -27,14 +27,18 @@ Not modelled: the rope tables, the hash layers' token tables (vocabulary x k int
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from dstrain.model.deepseek_v4.attention import CPU_BLOCK_ROWS, GPU_BLOCK_ROWS
 from dstrain.model.deepseek_v4.config import CSA, SLIDING
 
-from .estimate import SHAPES, Layer, Workload, _Shapes
+from .shapes import Layer, Shapes
+
+if TYPE_CHECKING:
+    from .workload import Workload
 
 
-class MhcSizes(_Shapes):
+class MhcSizes(Shapes):
     """mHC's sizes on one rank (model/common/mhc.py: `hc_mult` residual streams, a HyperConnection per
     sublayer, replicated under tensor parallelism): DeepSeek-V4's and GLM-5.3-Flash's (memory/glm5_next.py)
     blocks share them."""
@@ -265,6 +269,3 @@ class V4Shapes(MhcSizes):
         layer.forward = max(fwd, rows_fwd + held, peak, linear)
         layer.backward = recomputed + 2 * self.streams() + max(bwd, work + held, peak, linear)
         layer.dequant = (layer.forward - fwd, layer.backward - recomputed - 2 * self.streams() - bwd)
-
-
-SHAPES["deepseek_v4"] = V4Shapes

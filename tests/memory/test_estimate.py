@@ -94,11 +94,11 @@ def test_activations_are_what_autograd_saves(dtype, mode, shape, monkeypatch):
     saved-tensors hook, against the estimate's activations on the CPU: within 2% (sparse attention: the
     sparse stage, rows longer than the top-k). bf16 on the native kernel path, forced on any CPU: the one the
     estimate models (GPUs, bf16 CPUs; the emulated path's fp32 copies are not modelled, see estimate.py)."""
-    import dstrain.memory.estimate as estimate_mod
+    import dstrain.memory.shapes as shapes_mod
     from dstrain.model.common import kernels
 
     monkeypatch.setattr(kernels, "CPU_NATIVE_BF16", True)
-    monkeypatch.setattr(estimate_mod, "CPU_NATIVE_BF16", True)
+    monkeypatch.setattr(shapes_mod, "CPU_NATIVE_BF16", True)
     cfg = tiny_config(**{**SMALL, **shape, "num_hidden_layers": 3, "vocab_size": 1024})
     b, t = 2, 64
     model = build_model(cfg, dtype=dtype, seed=0)

@@ -59,11 +59,11 @@ def test_activations_are_what_autograd_saves(dtype, mode, monkeypatch):
     the CPU (tiny-glm5-next: KDA + dense, DSA full + MoE, DSA shared + MoE, KDA + MoE, MTP; 2 x 128 tokens, 35
     of 128 keys selected), the indexer learning sparsely: within 5% (0.0-0.3% when written). The parameters as
     DeepSpeed's bf16 engine casts them (KDA's convolutions in bf16, not the fp32 build_model keeps)."""
-    import dstrain.memory.estimate as estimate_mod
+    import dstrain.memory.shapes as shapes_mod
     from dstrain.model.common import kernels
 
     monkeypatch.setattr(kernels, "CPU_NATIVE_BF16", True)
-    monkeypatch.setattr(estimate_mod, "CPU_NATIVE_BF16", True)
+    monkeypatch.setattr(shapes_mod, "CPU_NATIVE_BF16", True)
     cfg = get_config("tiny-glm5-next").replace(vocab_size=512)
     b, t = 2, 128
     model = build_model(cfg, dtype=dtype, seed=0).to(dtype)

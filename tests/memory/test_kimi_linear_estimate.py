@@ -47,11 +47,11 @@ def test_activations_are_what_autograd_saves(dtype, mode, monkeypatch):
     """Unique storages the forward saves for backward (parameters apart) against the estimate's activations on
     the CPU (tiny-kimi-linear with 3 KDA heads of 32 and hidden 80; 2 x 128 tokens: 8 chunks of 16): within
     5% (0.1-0.4% when written)."""
-    import dstrain.memory.estimate as estimate_mod
+    import dstrain.memory.shapes as shapes_mod
     from dstrain.model.common import kernels
 
     monkeypatch.setattr(kernels, "CPU_NATIVE_BF16", True)
-    monkeypatch.setattr(estimate_mod, "CPU_NATIVE_BF16", True)
+    monkeypatch.setattr(shapes_mod, "CPU_NATIVE_BF16", True)
     cfg = get_config("tiny-kimi-linear").replace(
         vocab_size=512, hidden_size=80, linear_head_dim=32, linear_num_heads=3
     )

@@ -36,11 +36,11 @@ def test_activations_are_what_autograd_saves(dtype, mode, monkeypatch):
     """Unique storages the forward saves for backward (parameters apart) against the estimate's activations
     on the CPU (blocks of 64 query rows; 128 tokens: 32 CSA entries, a window of 32), the indexer learning:
     within 5%."""
-    import dstrain.memory.estimate as estimate_mod
+    import dstrain.memory.shapes as shapes_mod
     from dstrain.model.common import kernels
 
     monkeypatch.setattr(kernels, "CPU_NATIVE_BF16", True)
-    monkeypatch.setattr(estimate_mod, "CPU_NATIVE_BF16", True)
+    monkeypatch.setattr(shapes_mod, "CPU_NATIVE_BF16", True)
     cfg = tiny_v4_config(hidden_size=64, head_dim=32, num_attention_heads=4, hc_mult=4, sliding_window=32,
                          index_topk=8, vocab_size=512)  # fmt: skip
     b, t = 2, 128
