@@ -7,7 +7,6 @@ MTP modules (which transformers does not build) follow DeepSeek's `MTPBlock`. Th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import real_pairs, real_tokens, sequence_halo
+from dstrain.batch import real_tokens, sequence_halo
 
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
@@ -28,9 +27,10 @@ from ..common.layers import (
     sequence_balance,
     update_expert_bias,
 )
-from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
+from ..common.loss import Head
 from ..common.mhc import HyperConnection, HyperHead, expand
 from ..common.output import ModelOutput
+from ..common.surface import finish_streams
 from .attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
 from .config import V4Config
 
@@ -140,6 +140,10 @@ class V4MTPLayer(nn.Module):
 
     def inputs(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         return self.e_proj(self.enorm(embedded)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+
+    def hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The depth's streams collapsed by its own HC head and normed: what the shared head reads."""
+        return self.norm(self.hc_head(streams))
 
 
 class DeepSeekV4LM(SparseControls, nn.Module):
@@ -276,48 +280,5 @@ class DeepSeekV4LM(SparseControls, nn.Module):
     ) -> ModelOutput:
         """The HC head, norm, head and losses, and the MTP depths, from the last block's streams, the summed
         balance loss and the (biased main layers, E) loads before (a pipeline's last stage calls this too)."""
-        cfg = self.config
-        hidden = self.norm(self.hc_head(streams))
-        out = ModelOutput()
-        if return_logits or (return_logits is None and labels is None):
-            out.logits = self.lm_head(hidden)
-        loads = [*loads] if loads is not None else []
-        if labels is not None:
-            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
-                self.lm_head, hidden, labels, position_ids, token_losses
-            )
-            if rows is not None:
-                out.lm_token_loss = rows
-            if len(self.mtp):
-                aux = self._mtp(out, streams, ahead, inputs, position_ids, labels, aux, loads)
-        if inputs.stats:
-            out.indexer_stats = torch.stack(list(inputs.stats.values())).sum(0)
-        if aux is not None:
-            out.aux_loss = aux
-            out.expert_load = torch.stack(loads).detach()
-        if labels is not None:
-            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
-            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if len(self.mtp) else None
-            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
-        return out
-
-    def _mtp(self, out, streams, ahead, inputs, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
-        """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
-        b, t = streams.shape[:2]
-        sums, counts = [], []
-        for k, mtp in enumerate(self.mtp, start=1):
-            streams = mtp.inputs(ahead(k), streams)
-            # a position whose look-ahead token is padding holds no pair: its router counts nothing
-            depth = dataclasses.replace(inputs, real=real_pairs(position_ids, b, t, k, streams.device))
-            streams, block_aux, load = self.run_block(mtp.block, streams, depth)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
-            hidden = mtp.norm(mtp.hc_head(streams))
-            s, c, hits = mtp_depth_loss(self.lm_head, hidden, labels, position_ids, k, self.training)
-            if hits is not None:
-                out.mtp_hits = hits
-            sums.append(s)
-            counts.append(c)
-        out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
-        return aux
+        return finish_streams(self, self.hc_head, streams, ahead, inputs, position_ids, labels, aux, loads,
+                              return_logits, token_losses)  # fmt: skip

@@ -16,7 +16,6 @@ KDA and DSA work over whole rows for a slice of the heads (the k-pool indexer ov
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -24,17 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.batch import real_pairs, real_tokens, sequence_halo
+from dstrain.batch import real_tokens, sequence_halo
 
 from ..common.attention import attention_layout
 from ..common.dsa import SparseControls
 from ..common.kda import KDA, document_starts
 from ..common.kernels import Linear
 from ..common.layers import MLP, MoE, RMSNorm
-from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
+from ..common.loss import Head
 from ..common.mhc import HyperConnection, expand
 from ..common.output import ModelOutput
-from ..common.surface import BlockModelSurface
+from ..common.surface import BlockModelSurface, finish_streams
 from .attention import Context, DSAttention
 from .config import Glm5NextConfig
 from .indexer import make_pools, selection_width
@@ -104,6 +103,10 @@ class MTPLayer(nn.Module):
         """The depth's streams: each stream joined with the embedding of the token k ahead."""
         e = self.enorm(embedded).unsqueeze(2).expand_as(streams)
         return self.eh_proj(torch.cat([e, self.hnorm(streams)], dim=-1))
+
+    def hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The depth's streams averaged and normed: what the shared head reads."""
+        return self.shared_head_norm(collapse_mean(streams))
 
 
 class Glm5NextLM(BlockModelSurface, SparseControls, nn.Module):
@@ -220,51 +223,8 @@ class Glm5NextLM(BlockModelSurface, SparseControls, nn.Module):
         token_losses: bool = False,
     ) -> ModelOutput:
         """The mean collapse, norm, head and losses, and the MTP depths, from the last block's streams."""
-        cfg = self.config
-        hidden = self.norm(collapse_mean(streams))
-        out = ModelOutput()
-        loads = [*loads] if loads is not None else []
-        if return_logits or (return_logits is None and labels is None):
-            out.logits = self.lm_head(hidden)
-        if labels is not None:
-            out.lm_loss_sum, out.lm_tokens, rows = lm_losses(
-                self.lm_head, hidden, labels, position_ids, token_losses
-            )
-            if rows is not None:
-                out.lm_token_loss = rows
-            if len(self.mtp):
-                aux = self._mtp(out, streams, ahead, ctx, position_ids, labels, aux, loads)
-        if ctx.layout.stats:
-            out.indexer_stats = torch.stack(list(ctx.layout.stats.values())).sum(0)
-        if aux is not None:
-            out.aux_loss = aux
-            out.expert_load = torch.stack(loads).detach()
-        if labels is not None:
-            lm = out.lm_loss_sum / out.lm_tokens.clamp(min=1)
-            mtp = (out.mtp_loss_sum / out.mtp_tokens.clamp(min=1)).mean() if len(self.mtp) else None
-            out.loss = combine_losses(lm, mtp, out.aux_loss, cfg.aux_loss_alpha, cfg.mtp_loss_weight)
-        return out
-
-    def _mtp(self, out, streams, ahead, ctx, position_ids, labels, aux, loads):  # noqa: ANN001, ANN202
-        """MTP depth k at position i reads token i + k and predicts labels[i + k + 1]."""
-        b, t = streams.shape[:2]
-        sums, counts = [], []
-        for k, mtp in enumerate(self.mtp, start=1):
-            streams = mtp.inputs(ahead(k), streams)
-            # a position whose look-ahead token is padding holds no pair: its router counts nothing
-            depth = dataclasses.replace(ctx, real=real_pairs(position_ids, b, t, k, streams.device))
-            streams, block_aux, load = self.run_block(mtp.block, streams, depth)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
-            hidden = mtp.shared_head_norm(collapse_mean(streams))
-            s, c, hits = mtp_depth_loss(self.lm_head, hidden, labels, position_ids, k, self.training)
-            if hits is not None:
-                out.mtp_hits = hits
-            sums.append(s)
-            counts.append(c)
-        out.mtp_loss_sum, out.mtp_tokens = torch.stack(sums), torch.stack(counts)
-        return aux
+        return finish_streams(self, collapse_mean, streams, ahead, ctx, position_ids, labels, aux, loads,
+                              return_logits, token_losses)  # fmt: skip
 
 
 __all__ = ["Glm5NextLM"]
