@@ -9,6 +9,7 @@ import torch
 from dstrain.memory.estimate import ACTS, GATHERED, PARAMS, STATES, Workload, estimate, rank_layers
 from dstrain.model import ModelConfig, build_model, get_config, param_counts
 from dstrain.parallel import ParallelDims
+from tests.helpers.saved import saved_bytes
 from tests.helpers.tiny import tiny_config
 from tests.model.deepseek_v3.test_config import GLM_5, MOONLIGHT
 
@@ -103,22 +104,12 @@ def test_activations_are_what_autograd_saves(dtype, mode, shape, monkeypatch):
     b, t = 2, 64
     model = build_model(cfg, dtype=dtype, seed=0)
     model.set_activation_checkpointing(mode)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        storage = x.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return x
-
     ids = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(input_ids=ids, labels=ids)
+    saved = saved_bytes(model, ids)
     precision = "fp32" if dtype == torch.float32 else "bf16"
     w = workload(cfg, precision=precision, micro_batch=b, seq_len=t, checkpointing=mode, device="cpu")
     predicted = sum(x.saved for x in rank_layers(w)[0])
-    assert predicted == pytest.approx(sum(seen.values()), rel=0.02)
+    assert predicted == pytest.approx(saved, rel=0.02)
 
 
 def test_train_warns_in_one_line_when_the_peak_exceeds_the_device():

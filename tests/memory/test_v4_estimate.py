@@ -13,6 +13,7 @@ import torch
 from dstrain.memory.estimate import STORED, Workload, estimate, rank_layers
 from dstrain.model import build_model, family_of, get_config, param_counts
 from dstrain.parallel import ParallelDims
+from tests.helpers.saved import saved_bytes
 from tests.helpers.tiny import tiny_v4_config
 from tests.memory.test_planner import plan
 
@@ -47,23 +48,13 @@ def test_activations_are_what_autograd_saves(dtype, mode, monkeypatch):
     model = build_model(cfg, dtype=dtype, seed=0)
     model.set_activation_checkpointing(mode)
     model.set_sparse_attention("sparse")
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        storage = x.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return x
-
     ids = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(input_ids=ids, labels=ids)
+    saved = saved_bytes(model, ids)
     precision = "fp32" if dtype == torch.float32 else "bf16"
     w = workload(cfg, precision=precision, micro_batch=b, seq_len=t, checkpointing=mode, device="cpu",
                  dsa_stage="sparse")  # fmt: skip
     predicted = sum(x.saved for x in rank_layers(w)[0])
-    assert predicted == pytest.approx(sum(seen.values()), rel=0.05)
+    assert predicted == pytest.approx(saved, rel=0.05)
 
 
 GPUS = ["--num_gpus", "8", "--gpu_memory_gb", "141", "--seq_len", "4096", "--micro_batch_size", "1"]

@@ -15,7 +15,6 @@ A folder's style is told from its keys; write a folder back in the style it came
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -25,7 +24,15 @@ import torch
 
 from ..common.family import fused_expert_peft_keys
 from ..common.layers import is_hash_table, may_start_fresh
-from ..hf import DEFAULT_SHARD_BYTES, HFReader, Target, checkpoint_files, save_hf_tensors, split_experts
+from ..hf import (
+    DEFAULT_SHARD_BYTES,
+    HFReader,
+    Target,
+    checkpoint_files,
+    save_hf_tensors,
+    split_experts,
+    write_config_files,
+)
 from .config import V4Config
 
 # Model-level tensors: dstrain key -> (deepseek, transformers) file key.
@@ -316,19 +323,9 @@ def write_v4_config(
     """config.json in the config's source form (`cfg.to_hf_dict()`), declaring the weights `dtype` and
     dequantized (no `quantization_config` or `expert_dtype`: DeepSeek's inference reads the latter), and
     generation_config.json (`generation`, else the config's special token ids)."""
-    d = cfg.to_hf_dict()
-    d.pop("quantization_config", None)
-    d.pop("expert_dtype", None)
-    # the dtype under the name(s) the source used (DeepSeek's: torch_dtype, transformers 5's: dtype)
-    for name in [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]:
-        d[name] = str(dtype).removeprefix("torch.")
-    if generation is None:
-        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-        generation = {k: getattr(cfg, k) for k in ids if getattr(cfg, k, None) is not None}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(d, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(generation, f, indent=2)
+    write_config_files(
+        path, cfg.to_hf_dict(), dtype, generation, cfg, dropped=("quantization_config", "expert_dtype")
+    )
 
 
 def peft_keys(key: str, cfg: V4Config) -> list[str]:

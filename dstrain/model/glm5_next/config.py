@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.config import TRAINING_FIELDS, config_from_folder
+from ..common.kda import CHUNK
 
 MODEL_TYPE, TEXT_TYPE = "glm5_next", "glm5_next_text"
 ARCHITECTURE = "Glm5NextForConditionalGeneration"
@@ -201,8 +202,9 @@ class Glm5NextConfig:
 
     @property
     def attention_kernel(self) -> str:
-        return ("KDA: chunked delta rule in torch (fp32 state); DSA: torch k-pool indexer, dstrain's attention "
-                "kernels over the selected keys")  # fmt: skip
+        return (f"KDA: chunked delta rule in torch ({CHUNK}-token chunks, fp32 state), flash-linear-attention's "
+                "chunk_kda on a GPU where installed; DSA: torch k-pool indexer, dstrain's attention kernels over "
+                "the selected keys")  # fmt: skip
 
     def is_kda_layer(self, layer_idx: int) -> bool:
         """Layer `layer_idx` is KDA (MTP blocks, >= num_hidden_layers, are DSA)."""

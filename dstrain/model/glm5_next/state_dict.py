@@ -14,7 +14,6 @@ read and not written, as GLM-5's). In memory: experts fused 3-D, mHC as `attn_hc
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -23,7 +22,7 @@ import torch
 
 from ..common.family import kda_hybrid_peft_keys
 from ..common.layers import may_start_fresh
-from ..hf import HFReader, Target, checkpoint_files, split_experts
+from ..hf import HFReader, Target, checkpoint_files, split_experts, write_config_files
 from ..hf.files import SafetensorsFile
 from .config import Glm5NextConfig
 
@@ -193,17 +192,7 @@ def write_config(
 ) -> None:
     """config.json (the config's source form, the weights declared as `dtype`, dequantized) and
     generation_config.json (`generation`, else the config's special token ids)."""
-    d = cfg.to_hf_dict()
-    d.pop("quantization_config", None)
-    for name in [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]:
-        d[name] = str(dtype).removeprefix("torch.")
-    if generation is None:
-        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-        generation = {k: getattr(cfg, k) for k in ids if getattr(cfg, k) is not None}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(d, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(generation, f, indent=2)
+    write_config_files(path, cfg.to_hf_dict(), dtype, generation, cfg)
 
 
 def peft_keys(key: str, cfg: Glm5NextConfig) -> list[str]:

@@ -10,6 +10,7 @@ from .files import (
     checkpoint_files,
     folder_identity,
     save_hf_tensors,
+    write_config_files,
 )
 from .keys import KeyTable, Target, split_experts
 from .reader import HFReader, flat_range
@@ -27,4 +28,5 @@ __all__ = [
     "folder_identity",
     "save_hf_tensors",
     "split_experts",
+    "write_config_files",
 ]

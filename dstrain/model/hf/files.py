@@ -244,3 +244,27 @@ SAFE_DTYPES: dict[str, torch.dtype] = {
     **({"F8_E4M3": FP8} if FP8 is not None else {}),
     **({"F8_E8M0": E8M0} if E8M0 is not None else {}),
 }
+
+
+def write_config_files(
+    path: str | os.PathLike,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    generation: dict | None,
+    tokens: Any,
+    dropped: Sequence[str] = ("quantization_config",),
+) -> None:
+    """config.json (`config`, a family's dict in its source form, declaring the weights `dtype` under the name
+    or names the source used (transformers 5's `dtype`, older `torch_dtype`) and without the `dropped` keys: the
+    weights are written dequantized) and generation_config.json (`generation`, else the special token ids
+    `tokens` (a config) sets)."""
+    config = {k: v for k, v in config.items() if k not in dropped}
+    for name in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[name] = str(dtype).removeprefix("torch.")
+    if generation is None:
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        generation = {k: getattr(tokens, k) for k in ids if getattr(tokens, k, None) is not None}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)

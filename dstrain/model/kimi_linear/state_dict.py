@@ -11,7 +11,6 @@ prefix it came with. In memory, experts are fused 3-D tensors under `mlp.experts
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -20,7 +19,7 @@ import torch
 
 from ..common.family import kda_hybrid_peft_keys
 from ..common.layers import may_start_fresh
-from ..hf import HFReader, Target, checkpoint_files, split_experts
+from ..hf import HFReader, Target, checkpoint_files, split_experts, write_config_files
 from .config import KimiLinearConfig
 
 GLOBAL_KEYS: dict[str, str] = {
@@ -156,17 +155,7 @@ def write_config(
 ) -> None:
     """config.json (the config's source form, the weights declared as `dtype`, dequantized) and
     generation_config.json (`generation`, else the config's special token ids)."""
-    d = cfg.to_hf_dict()
-    d.pop("quantization_config", None)
-    for name in [k for k in ("dtype", "torch_dtype") if k in d] or ["dtype"]:
-        d[name] = str(dtype).removeprefix("torch.")
-    if generation is None:
-        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
-        generation = {k: getattr(cfg, k) for k in ids if getattr(cfg, k) is not None}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(d, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump(generation, f, indent=2)
+    write_config_files(path, cfg.to_hf_dict(), dtype, generation, cfg)
 
 
 def peft_keys(key: str, cfg: KimiLinearConfig) -> list[str]:
