@@ -347,3 +347,27 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
         return short_conv(x, self.weight, starts)
+
+
+def kda_params(cfg: Any) -> int:
+    """Parameters of `KDA(cfg)`: q, k, v, o projections, three short convolutions, the forget gate (two low-rank
+    factors, A_log, dt_bias), beta, the output gate's two factors and the gated norm."""
+    d, h, dk = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+    inner = h * dk
+    return (
+        4 * d * inner
+        + 3 * inner * cfg.linear_conv_kernel_dim
+        + 2 * (d * dk + dk * inner)
+        + h
+        + inner
+        + d * h
+        + dk
+    )
+
+
+def kda_flops_per_token(cfg: Any, seq_len: int) -> float:
+    """Training FLOPs per token of one KDA layer beyond its projections: per head, the state's read, decay and
+    write (about 3 d_k d_v multiply-adds) and within its chunk of C the pairwise q.k and k.k decayed scores
+    (2 C/2 d_k) and their products with values (C/2 d_v), times 6 for forward and backward."""
+    dk, c = cfg.linear_head_dim, min(CHUNK, seq_len)
+    return 6 * cfg.linear_num_heads * (3 * dk * dk + c * dk + (c / 2) * dk)

@@ -3,24 +3,9 @@
 from __future__ import annotations
 
 from ..common.counts import lm_param_counts
+from ..common.kda import kda_flops_per_token, kda_params
 from ..common.mla import mla_params
 from .config import Glm5NextConfig
-
-
-def _kda_params(cfg: Glm5NextConfig) -> int:
-    """q, k, v, o projections, three short convolutions, the forget gate (two low-rank factors, A_log, dt_bias),
-    beta, the output gate's two factors and the gated norm."""
-    d, h, dk = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
-    inner = h * dk
-    return (
-        4 * d * inner
-        + 3 * inner * cfg.linear_conv_kernel_dim
-        + 2 * (d * dk + dk * inner)
-        + h
-        + inner
-        + d * h
-        + dk
-    )
 
 
 def _indexer_params(cfg: Glm5NextConfig) -> int:
@@ -34,7 +19,7 @@ def _block_params(cfg: Glm5NextConfig, layer_idx: int) -> tuple[int, int]:
     bias is a buffer) plus, for MTP blocks, their own indexer."""
     d, n = cfg.hidden_size, cfg.hc_mult
     if cfg.is_kda_layer(layer_idx):
-        attn = _kda_params(cfg)
+        attn = kda_params(cfg)
     else:
         attn = mla_params(cfg) + (_indexer_params(cfg) if cfg.has_indexer(layer_idx) else 0)
     mix = (2 + n) * n
@@ -61,18 +46,15 @@ def flops_per_token(
     v_head_dim) over the keys a query attends (causal: T/2 on average, with `sparse` at most index_topk +
     index_kpool / 2 of them), and per full indexer 6 x pools x index heads x (index_head_dim + 1) over the T/2
     / kpool pools a query scores; per KDA layer its state's read, decay and write and its chunks' pairwise
-    scores (kimi_linear/flops.py)."""
-    from ..common.kda import CHUNK
-
+    scores (common.kda.kda_flops_per_token)."""
     layers = range(cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0))
     dense_keys = seq_len / 2
     keys = min(dense_keys, cfg.index_topk + cfg.index_kpool / 2) if sparse else dense_keys
-    dk, c = cfg.linear_head_dim, min(CHUNK, seq_len)
-    state = 3 * dk * dk + c * dk + (c / 2) * dk
+    kda = kda_flops_per_token(cfg, seq_len)
     extra = 0.0
     for i in layers:
         if cfg.is_kda_layer(i):
-            extra += 6 * cfg.linear_num_heads * state
+            extra += kda
             continue
         extra += 6 * keys * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
         if cfg.has_indexer(i):
