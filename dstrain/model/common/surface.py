@@ -1,6 +1,7 @@
-"""What families' models share of DeepSeekLM's surface beyond their blocks. `BlockModelSurface` (Kimi Linear,
-GLM-5.3-Flash): the tied head, the routers and their balancing bias, activation checkpointing's modes, per-block
-compilation; a model class mixes it in and gives `blocks()`, `embed_tokens`, `lm_head`, `config` and `NAME`.
+"""What every family's model shares of its surface beyond its blocks. `BlockModelSurface`: the tied head, the
+routers and their balancing bias, activation checkpointing's modes, per-block compilation; a model class mixes it
+in and gives `blocks()`, `embed_tokens`, `lm_head`, `config` and `NAME` (and overrides what differs).
+`run_layers` and `look_ahead`: the main layers' loop and MTP's inputs.
 `finish_streams` (DeepSeek-V4, GLM-5.3-Flash): the head, the losses and the MTP depths of a model whose residual
 is several streams (mHC)."""
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dstrain.batch import real_pairs
@@ -27,6 +29,7 @@ class BlockModelSurface:
     """Its --activation_checkpointing modes ('full': every block recomputed in backward)."""
 
     def tie_weights(self) -> None:
+        """Re-tie after anything that replaces Parameters (`to_empty` from the meta device does)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -40,8 +43,9 @@ class BlockModelSurface:
         """A mode of CHECKPOINTING, or True ('full') / False ('none')."""
         mode = {True: "full", False: "none"}.get(mode, mode)
         if mode not in self.CHECKPOINTING:
+            *rest, last = self.CHECKPOINTING
             raise ValueError(
-                f"activation checkpointing {mode!r}: {self.NAME} runs {' or '.join(self.CHECKPOINTING)}"
+                f"activation checkpointing {mode!r}: {self.NAME} runs {', '.join(rest)} or {last}"
             )
         self.activation_checkpointing = mode
 
@@ -51,6 +55,30 @@ class BlockModelSurface:
         for block in self.blocks():
             block.compile(**options)
         self.lm_head.compile_loss(**options)
+
+
+def run_layers(
+    model: nn.Module, x: torch.Tensor, *context: Any
+) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+    """`model.layers` in turn (`model.run_block(block, x, *context)`) -> the last one's output, the sum of the MoE
+    layers' balance losses (None without any) and their expert loads, in order."""
+    aux, loads = None, []
+    for block in model.layers:
+        x, block_aux, load = model.run_block(block, x, *context)
+        if block_aux is not None:
+            aux = block_aux if aux is None else aux + block_aux
+            loads.append(load)
+    return x, aux, loads
+
+
+def look_ahead(embed: nn.Module, input_ids: torch.Tensor, t: int) -> Callable[[int], torch.Tensor]:
+    """MTP depth k's inputs at position i: the embedding of token i + k (zeros past the row)."""
+
+    def ahead(k: int) -> torch.Tensor:
+        ids = input_ids[:, k : k + t]
+        return embed(F.pad(ids, (0, t - ids.shape[1])))
+
+    return ahead
 
 
 def finish_streams(

@@ -22,7 +22,7 @@ FAMILY = Family(
     keeps_fp32=is_expert_bias,
     param_counts=flops.param_counts,
     flops_per_token=flops.flops_per_token,
-    checkpointing=("none", "full", "attention", "mlp"),
+    checkpointing=DeepSeekLM.CHECKPOINTING,
     copied_tensors=tensors_beside,
     # MLA's up-projections and output, the shared experts' linears (the MTP blocks' too)
     lora_targets=("q_b_proj", "kv_b_proj", "o_proj", "shared_experts"),

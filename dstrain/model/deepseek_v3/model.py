@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -21,9 +20,10 @@ from dstrain.batch import real_pairs, real_tokens, sequence_halo
 from ..common.attention import AttentionLayout, attention_layout, rope_cos_sin
 from ..common.dsa import SparseControls
 from ..common.kernels import Linear
-from ..common.layers import MLP, MoE, RMSNorm, Router, update_expert_bias
+from ..common.layers import MLP, MoE, RMSNorm
 from ..common.loss import Head, combine_losses, lm_losses, mtp_depth_loss
 from ..common.output import ModelOutput
+from ..common.surface import BlockModelSurface, look_ahead, run_layers
 from .attention import MLA, rope_frequencies
 from .config import ModelConfig
 
@@ -89,7 +89,10 @@ class MTPLayer(nn.Module):
         self.shared_head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DeepSeekLM(SparseControls, nn.Module):
+class DeepSeekLM(BlockModelSurface, SparseControls, nn.Module):
+    NAME = "DeepSeek-V2/V3"
+    CHECKPOINTING = ("none", "full", "attention", "mlp")
+
     # Sequence parallelism (dstrain.parallel.sp) sets this on the model, its MLA and MoE layers: then each
     # rank's input_ids / position_ids / labels are its slice of every row plus `halo` tokens after it
     # (`dstrain.batch.sequence_shard`): the targets of its last positions and MTP's look-ahead inputs.
@@ -112,27 +115,15 @@ class DeepSeekLM(SparseControls, nn.Module):
         self._rope_cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     # -------------------------------------------------------------- ties and balancing
-    def tie_weights(self) -> None:
-        """Re-tie after anything that replaces Parameters (`to_empty` from the meta device does)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def routers(self) -> list[Router]:
-        return [b.mlp.gate for b in self.blocks() if isinstance(b.mlp, MoE)]
-
-    def update_expert_bias(self, load: torch.Tensor) -> None:
-        """Aux-loss-free balancing of every MoE layer's router (`update_expert_bias`)."""
-        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
-
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'attention' / 'mlp': only that sublayer of
         every block; 'none' (or False): nothing recomputed."""
-        mode = {True: "full", False: "none"}.get(mode, mode)
-        if mode not in ("none", "full", "attention", "mlp"):
-            raise ValueError(f"activation checkpointing {mode!r}: choose none, full, attention or mlp")
-        self.activation_checkpointing = mode
+        super().set_activation_checkpointing(mode)
+        sublayer = (
+            self.activation_checkpointing if self.activation_checkpointing in ("attention", "mlp") else None
+        )
         for block in self.blocks():
-            block.recompute = mode if mode in ("attention", "mlp") else None
+            block.recompute = sublayer
 
     def indexers(self) -> list[nn.Module]:
         """Every lightning indexer (DeepSeek Sparse Attention's full layers)."""
@@ -183,20 +174,8 @@ class DeepSeekLM(SparseControls, nn.Module):
             )
         local_pos = position_ids[:, :t] if position_ids is not None else None
         rope, layout = self.rope_and_layout(local_pos, b, t, input_ids.device)
-        h = self.embed_tokens(input_ids[:, :t])
-        aux, loads = None, []
-        for block in self.layers:
-            h, block_aux, load = self.run_block(block, h, rope, layout)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
-
-        # Input of MTP depth k at position i is token i+k; the last k positions of a row have none (masked
-        # targets).
-        def ahead(k: int) -> torch.Tensor:
-            ids = input_ids[:, k : k + t]
-            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
-
+        h, aux, loads = run_layers(self, self.embed_tokens(input_ids[:, :t]), rope, layout)
+        ahead = look_ahead(self.embed_tokens, input_ids, t)
         main_loads = torch.stack(loads) if loads else None
         return self.finish(
             h, ahead, rope, layout, position_ids, labels, aux, main_loads, return_logits, token_losses

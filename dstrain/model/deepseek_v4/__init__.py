@@ -20,7 +20,7 @@ FAMILY = Family(
     keeps_fp32=keeps_fp32,
     param_counts=flops.param_counts,
     flops_per_token=flops.flops_per_token,
-    checkpointing=("none", "full", "mhc"),
+    checkpointing=DeepSeekV4LM.CHECKPOINTING,
     # V3's default, in V4's attention: the query up-projection (the CSA indexer's q_b_proj included), the one
     # key=value projection (the compressors' included), the grouped low-rank output, the shared experts
     lora_targets=("q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "shared_experts"),

@@ -25,12 +25,11 @@ from ..common.layers import (
     Experts,
     Router,
     sequence_balance,
-    update_expert_bias,
 )
 from ..common.loss import Head
 from ..common.mhc import HyperConnection, HyperHead, expand
 from ..common.output import ModelOutput
-from ..common.surface import finish_streams
+from ..common.surface import BlockModelSurface, finish_streams, look_ahead, run_layers
 from .attention import V4Attention, V4Inputs, V4RMSNorm, V4Rope, document_ids
 from .config import V4Config
 
@@ -146,9 +145,12 @@ class V4MTPLayer(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
-class DeepSeekV4LM(SparseControls, nn.Module):
+class DeepSeekV4LM(BlockModelSurface, SparseControls, nn.Module):
     """The V4 model with DeepSeekLM's surface: forward -> ModelOutput, blocks(), routers(),
     update_expert_bias(), set_activation_checkpointing(), the CSA indexers' stages (SparseControls)."""
+
+    NAME = "DeepSeek-V4"
+    CHECKPOINTING = ("none", "full", "mhc")
 
     # Sequence parallelism (dstrain.parallel.sp) sets this as on DeepSeekLM: each rank's rows are its slice
     # plus the halo; attention gathers the whole rows' keys and compressor inputs (V4Inputs.whole).
@@ -170,10 +172,6 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         self.activation_checkpointing = "none"
         self.rope = V4Rope(cfg)
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
     def blocks(self) -> list[V4Block]:
         return [*self.layers, *(m.block for m in self.mtp)]
 
@@ -185,19 +183,12 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         """The routers whose expert load the forward reports (biased layers: main, then MTP), in that order."""
         return [b.mlp.gate for b in self.blocks() if not b.mlp.hashed]
 
-    def update_expert_bias(self, load: torch.Tensor) -> None:
-        """Aux-loss-free balancing of the biased layers' routers; `tid2eid` never changes."""
-        update_expert_bias(self.routers(), load, self.config.bias_update_speed)
-
     def set_activation_checkpointing(self, mode: str | bool) -> None:
         """'full' (or True): every block recomputed in backward; 'mhc': the mHC weights of every sublayer
         recomputed; 'none' (or False): nothing."""
-        mode = {True: "full", False: "none"}.get(mode, mode)
-        if mode not in ("none", "full", "mhc"):
-            raise ValueError(f"activation checkpointing {mode!r}: DeepSeek-V4 runs none, full or mhc")
-        self.activation_checkpointing = mode
+        super().set_activation_checkpointing(mode)
         for block in self.blocks():
-            block.recompute_hc = mode == "mhc"
+            block.recompute_hc = self.activation_checkpointing == "mhc"
 
     def run_block(self, block: V4Block, streams: torch.Tensor, inputs: V4Inputs):  # noqa: ANN201
         """One block (recomputed in backward under 'full' activation checkpointing) -> (streams, its balance
@@ -249,18 +240,8 @@ class DeepSeekV4LM(SparseControls, nn.Module):
         if self.seq_parallel is not None:
             t -= self.halo  # this rank's tokens; the halo only feeds targets and look-ahead inputs
         inputs = self.context(position_ids, input_ids, t)
-        streams = self.streams_of(self.embed_tokens(input_ids[:, :t]))
-        aux, loads = None, []
-        for block in self.layers:
-            streams, block_aux, load = self.run_block(block, streams, inputs)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
-
-        def ahead(k: int) -> torch.Tensor:  # MTP depth k's inputs: the tokens k ahead (0 past the row)
-            ids = input_ids[:, k : k + t]
-            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
-
+        streams, aux, loads = run_layers(self, self.streams_of(self.embed_tokens(input_ids[:, :t])), inputs)
+        ahead = look_ahead(self.embed_tokens, input_ids, t)
         main_loads = torch.stack(loads) if loads else None
         return self.finish(
             streams, ahead, inputs, position_ids, labels, aux, main_loads, return_logits, token_losses

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -33,7 +32,7 @@ from ..common.layers import MLP, MoE, RMSNorm
 from ..common.loss import Head
 from ..common.mhc import HyperConnection, expand
 from ..common.output import ModelOutput
-from ..common.surface import BlockModelSurface, finish_streams
+from ..common.surface import BlockModelSurface, finish_streams, look_ahead, run_layers
 from .attention import Context, DSAttention
 from .config import Glm5NextConfig
 from .indexer import make_pools, selection_width
@@ -196,18 +195,8 @@ class Glm5NextLM(BlockModelSurface, SparseControls, nn.Module):
                 position_ids = torch.arange(t + self.halo, device=input_ids.device).expand(b, -1)
             local_pos = position_ids[:, :t]
         ctx = self.context(local_pos, b, t, input_ids.device)
-        streams = self.streams_of(self.embed_tokens(input_ids[:, :t]))
-        aux, loads = None, []
-        for block in self.layers:
-            streams, block_aux, load = self.run_block(block, streams, ctx)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
-
-        def ahead(k: int) -> torch.Tensor:  # MTP depth k's inputs: the tokens k ahead (0 past the row)
-            ids = input_ids[:, k : k + t]
-            return self.embed_tokens(F.pad(ids, (0, t - ids.shape[1])))
-
+        streams, aux, loads = run_layers(self, self.streams_of(self.embed_tokens(input_ids[:, :t])), ctx)
+        ahead = look_ahead(self.embed_tokens, input_ids, t)
         return self.finish(streams, ahead, ctx, position_ids, labels, aux, loads, return_logits, token_losses)
 
     def finish(

@@ -23,7 +23,7 @@ from ..common.kda import KDA, document_starts
 from ..common.layers import MLP, MoE, RMSNorm
 from ..common.loss import Head, combine_losses, lm_losses
 from ..common.output import ModelOutput
-from ..common.surface import BlockModelSurface
+from ..common.surface import BlockModelSurface, run_layers
 from .attention import NoPEMLA
 from .config import KimiLinearConfig
 
@@ -137,13 +137,7 @@ class KimiLinearLM(BlockModelSurface, nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(t + self.halo, device=input_ids.device).expand(b, -1)
         context = self.context(local_pos, b, t, input_ids.device)
-        h = self.embed_tokens(input_ids[:, :t])
-        aux, loads = None, []
-        for block in self.layers:
-            h, block_aux, load = self.run_block(block, h, *context)
-            if block_aux is not None:
-                aux = block_aux if aux is None else aux + block_aux
-                loads.append(load)
+        h, aux, loads = run_layers(self, self.embed_tokens(input_ids[:, :t]), *context)
         main_loads = torch.stack(loads) if loads else None
         return self.finish(h, None, *context, position_ids, labels, aux, main_loads, return_logits,
                            token_losses)  # fmt: skip
