@@ -25,3 +25,15 @@ def lm_param_counts(
             t, a = block(cfg, cfg.num_hidden_layers + k)
             total, active = total + t + mtp_extra, active + a + mtp_extra + v * d
     return {"total": total + v * d, "active": active, "embedding": v * d}
+
+
+def ffn_params(cfg: Any, moe: bool, shared_experts: int) -> tuple[int, int]:
+    """(total, active per token) parameters of a block's SwiGLU feed-forward: dense (`intermediate_size`), or an
+    MoE layer's routed experts (`num_experts_per_tok` of them active), its `shared_experts` and its router."""
+    d = cfg.hidden_size
+    if not moe:
+        ffn = 3 * d * cfg.intermediate_size
+        return ffn, ffn
+    expert = 3 * d * cfg.moe_intermediate_size
+    fixed = shared_experts * expert + cfg.n_routed_experts * d
+    return fixed + cfg.n_routed_experts * expert, fixed + cfg.num_experts_per_tok * expert

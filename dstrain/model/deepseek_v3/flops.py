@@ -3,7 +3,7 @@ instantiated)."""
 
 from __future__ import annotations
 
-from ..common.counts import lm_param_counts
+from ..common.counts import ffn_params, lm_param_counts
 from ..common.mla import mla_params
 from .config import ModelConfig
 
@@ -19,15 +19,8 @@ def _block_params(cfg: ModelConfig, layer_idx: int) -> tuple[int, int]:
     common = mla_params(cfg) + 2 * d
     if cfg.has_indexer(layer_idx):
         common += _indexer_params(cfg)
-    if not cfg.is_moe_layer(layer_idx):
-        ffn = 3 * d * cfg.intermediate_size
-        return common + ffn, common + ffn
-    expert = 3 * d * cfg.moe_intermediate_size
-    shared = cfg.n_shared_experts * expert
-    router = cfg.n_routed_experts * d
-    total = common + shared + router + cfg.n_routed_experts * expert
-    active = common + shared + router + cfg.num_experts_per_tok * expert
-    return total, active
+    total, active = ffn_params(cfg, cfg.is_moe_layer(layer_idx), cfg.n_shared_experts)
+    return common + total, common + active
 
 
 def param_counts(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, int]:

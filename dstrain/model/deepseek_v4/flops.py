@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..common.counts import lm_param_counts
+from ..common.counts import ffn_params, lm_param_counts
 from .config import CSA, SLIDING, V4Config
 
 
@@ -29,11 +29,8 @@ def _block_params(cfg: V4Config, layer_idx: int) -> tuple[int, int]:
     mix = (2 + n) * n
     hc = 2 * (mix * n * d + mix + 3)  # attention's and FFN's mHC: fn, base, scale
     common = attn + hc + 2 * d  # + the two sublayer norms
-    expert = 3 * d * cfg.moe_intermediate_size
-    shared_and_gate = expert + cfg.n_routed_experts * d
-    total = common + shared_and_gate + cfg.n_routed_experts * expert
-    active = common + shared_and_gate + cfg.num_experts_per_tok * expert
-    return total, active
+    total, active = ffn_params(cfg, moe=True, shared_experts=1)  # every layer routes (hash or learned)
+    return common + total, common + active
 
 
 def param_counts(cfg: V4Config, include_mtp: bool = True) -> dict[str, int]:

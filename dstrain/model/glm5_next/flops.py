@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..common.counts import lm_param_counts
+from ..common.counts import ffn_params, lm_param_counts
 from ..common.kda import kda_flops_per_token, kda_params
 from ..common.mla import mla_params
 from .config import Glm5NextConfig
@@ -24,12 +24,8 @@ def _block_params(cfg: Glm5NextConfig, layer_idx: int) -> tuple[int, int]:
         attn = mla_params(cfg) + (_indexer_params(cfg) if cfg.has_indexer(layer_idx) else 0)
     mix = (2 + n) * n
     common = attn + 2 * (mix * n * d + mix + 3) + 2 * d  # + both mHC (fn, base, scale) and the two norms
-    if not cfg.is_moe_layer(layer_idx):
-        ffn = 3 * d * cfg.intermediate_size
-        return common + ffn, common + ffn
-    expert = 3 * d * cfg.moe_intermediate_size
-    fixed = common + cfg.n_shared_experts * expert + cfg.n_routed_experts * d
-    return fixed + cfg.n_routed_experts * expert, fixed + cfg.num_experts_per_tok * expert
+    total, active = ffn_params(cfg, cfg.is_moe_layer(layer_idx), cfg.n_shared_experts)
+    return common + total, common + active
 
 
 def param_counts(cfg: Glm5NextConfig, include_mtp: bool = True) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..common.counts import lm_param_counts
+from ..common.counts import ffn_params, lm_param_counts
 from ..common.kda import kda_flops_per_token, kda_params
 from ..common.mla import mla_params
 from .config import KimiLinearConfig
@@ -11,12 +11,8 @@ from .config import KimiLinearConfig
 def _block_params(cfg: KimiLinearConfig, layer_idx: int) -> tuple[int, int]:
     d = cfg.hidden_size
     common = (kda_params(cfg) if cfg.is_kda_layer(layer_idx) else mla_params(cfg)) + 2 * d
-    if not cfg.is_moe_layer(layer_idx):
-        ffn = 3 * d * cfg.intermediate_size
-        return common + ffn, common + ffn
-    expert = 3 * d * cfg.moe_intermediate_size
-    fixed = common + cfg.n_shared_experts * expert + cfg.n_routed_experts * d
-    return fixed + cfg.n_routed_experts * expert, fixed + cfg.num_experts_per_tok * expert
+    total, active = ffn_params(cfg, cfg.is_moe_layer(layer_idx), cfg.n_shared_experts)
+    return common + total, common + active
 
 
 def param_counts(cfg: KimiLinearConfig, include_mtp: bool = True) -> dict[str, int]:
